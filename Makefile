@@ -1,0 +1,37 @@
+# The README's two commands. Both create .venv and install what they need:
+#   make quickstart   run the main job on the embedded default (a local folder, a tiny model)
+#   make test         run the test suite (starts its own SeaweedFS S3 server on 127.0.0.1)
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install test quickstart bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# torch first, from the CPU wheel on disk: a bare `torch` requirement would pull a CUDA build.
+# The constraint pins whatever torch is there so installing the project never replaces it.
+$(VENV)/.installed: pyproject.toml | $(PY)
+	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
+	@$(PY) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > $(VENV)/constraints.txt
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e '.[dev]'
+	@touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+quickstart: install
+	$(VENV)/bin/paths quickstart
+
+bench: install
+	$(PY) bench/storage.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,1 @@
+"""Click commands only: parse, validate, call one library function, print."""

@@ -1,0 +1,43 @@
+"""The `paths` command: click parsing, one library call per command, printing."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from paths.errors import PathsError
+
+
+class ErrorsAsOneLine(click.Group):
+    """Project errors become `error: ...` on stderr and their exit code; `--debug` shows the trace."""
+
+    def invoke(self, ctx: click.Context):  # type: ignore[override]
+        try:
+            return super().invoke(ctx)
+        except (PathsError, OSError) as exc:
+            if ctx.params.get("debug"):
+                raise
+            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            click.echo(f"error: {message}", err=True)
+            ctx.exit(getattr(exc, "exit_code", 1))
+
+
+@click.group(cls=ErrorsAsOneLine, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
+@click.version_option(package_name="paths", prog_name="paths")
+def main(debug: bool) -> None:
+    """Train mixture-of-experts language models as small dense paths (DiPaCo / HDEE / BTX)."""
+
+
+def _register() -> None:
+    from cli import quickstart, storage_cmds
+
+    main.add_command(storage_cmds.storage)
+    main.add_command(quickstart.quickstart)
+
+
+_register()
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

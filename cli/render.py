@@ -1,0 +1,104 @@
+"""Presentation only: turn library results into terminal tables or JSON text."""
+
+from __future__ import annotations
+
+import json
+import time
+from functools import singledispatch
+from typing import Any, Sequence
+
+from storage.admin import GcItem, Usage, VerifyReport
+from storage.store import ObjectInfo
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain aligned text table; numbers right-aligned."""
+    cells = [[str(c) for c in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    numeric = [all(_is_num(r[i]) for r in rows) and rows for i in range(len(headers))]
+
+    def line(r: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(r, widths, numeric)).rstrip()
+
+    out = [line(cells[0]), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in cells[1:]]
+    return "\n".join(out)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def as_json(obj: Any) -> str:
+    """Stable, indented JSON."""
+    return json.dumps(obj, indent=2, sort_keys=True, default=str)
+
+
+@singledispatch
+def render(result: Any) -> str:
+    """Default: JSON."""
+    return as_json(result)
+
+
+@render.register
+def _(objects: list) -> str:
+    if objects and all(isinstance(o, ObjectInfo) for o in objects):
+        rows = [(o.size, _when(o.mtime), o.key) for o in objects]
+        return table(("bytes", "modified", "key"), rows) + f"\n{len(objects)} objects, {human_bytes(sum(o.size for o in objects))}"
+    if objects and all(isinstance(o, GcItem) for o in objects):
+        rows = [(o.objects, human_bytes(o.bytes), o.key, o.reason) for o in objects]
+        return table(("objects", "size", "key", "why"), rows)
+    if not objects:
+        return "(nothing)"
+    return as_json(objects)
+
+
+@render.register
+def _(usage: Usage) -> str:
+    rows = [(a, n, b, human_bytes(b)) for a, (b, n) in sorted(usage.areas.items())]
+    rows.append(("total", usage.total_objects, usage.total_bytes, human_bytes(usage.total_bytes)))
+    out = table(("area", "objects", "bytes", "size"), rows)
+    if usage.paths:
+        prows = [(p, n, b, human_bytes(b)) for p, (b, n) in sorted(usage.paths.items())]
+        out += "\n\n" + table(("path", "objects", "bytes", "size"), prows)
+    return out
+
+
+@render.register
+def _(report: VerifyReport) -> str:
+    head = f"{report.manifests} manifests, {report.files} files checked: "
+    if report.ok:
+        return head + "all checksums match"
+    rows = [(p.kind, p.key, p.detail) for p in report.problems]
+    return head + f"{len(report.problems)} problems\n" + table(("problem", "key", "detail"), rows)
+
+
+def render_claims(records: list[dict[str, Any]]) -> str:
+    """Lease records as a table."""
+    if not records:
+        return "no claims"
+    rows = [
+        (
+            r.get("path", "?"),
+            r.get("state", "?"),
+            r.get("worker", ""),
+            r.get("generation", ""),
+            _when(r.get("expires_at")),
+            "yes" if r.get("expired") else "",
+        )
+        for r in records
+    ]
+    return table(("path", "state", "worker", "generation", "expires", "expired"), rows)
+
+
+def _when(ts: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"

@@ -1,0 +1,1 @@
+"""compose: see ../shared/DESIGN.md (Code layout)."""

@@ -1,0 +1,1 @@
+"""experts: see ../shared/DESIGN.md (Code layout)."""

@@ -1,0 +1,1 @@
+"""sharding: see ../shared/DESIGN.md (Code layout)."""

@@ -1,0 +1,224 @@
+"""What `paths storage` does: usage, verification, garbage collection and lease listings."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from paths.errors import ConfigurationError, IntegrityError
+from storage.layout import COMMITTED, Run, open_run, parse_checkpoint
+from storage.manifest import MANIFEST, Problem, verify_manifest
+from storage.store import HIDDEN_PREFIX, ObjectInfo
+
+
+def path_of(key: str) -> str | None:
+    """The path (or expert) id an object belongs to, if any, from the run layout."""
+    parts = key.split("/")
+    if parts[0] in ("paths", "work") and len(parts) > 2:
+        return parts[1]
+    if parts[0] == "claims" and len(parts) == 2 and parts[1].endswith(".json"):
+        return parts[1][: -len(".json")]
+    if parts[0] == "data" and len(parts) > 3 and parts[2].endswith(".zarr"):
+        return parts[2][: -len(".zarr")]
+    return None
+
+
+@dataclass(slots=True)
+class Usage:
+    """Bytes and objects, per area and per path."""
+
+    total_bytes: int = 0
+    total_objects: int = 0
+    areas: dict[str, list[int]] = field(default_factory=dict)  # area -> [bytes, objects]
+    paths: dict[str, list[int]] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        pair = lambda d: {k: {"bytes": b, "objects": n} for k, (b, n) in sorted(d.items())}
+        return {
+            "bytes": self.total_bytes,
+            "objects": self.total_objects,
+            "areas": pair(self.areas),
+            "paths": pair(self.paths),
+        }
+
+
+def du(run: Run) -> Usage:
+    """Disk usage of a run by area (top-level folder) and by path."""
+    usage = Usage()
+    for obj in run.store.list():
+        area = obj.key.split("/", 1)[0] if "/" in obj.key else "(root)"
+        usage.total_bytes += obj.size
+        usage.total_objects += 1
+        a = usage.areas.setdefault(area, [0, 0])
+        a[0] += obj.size
+        a[1] += 1
+        pid = path_of(obj.key)
+        if pid is not None:
+            p = usage.paths.setdefault(pid, [0, 0])
+            p[0] += obj.size
+            p[1] += 1
+    return usage
+
+
+def ls(run: Run, prefix: str = "") -> list[ObjectInfo]:
+    """Objects under a prefix of the run."""
+    return run.store.list(prefix)
+
+
+@dataclass(slots=True)
+class VerifyReport:
+    """What `verify` checked and what failed."""
+
+    manifests: int = 0
+    files: int = 0
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing failed."""
+        return not self.problems
+
+    def as_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {
+            "ok": self.ok,
+            "manifests": self.manifests,
+            "files": self.files,
+            "problems": [asdict(p) for p in self.problems],
+        }
+
+
+def verify(run: Run) -> VerifyReport:
+    """Recompute the sha256 of every file listed in every manifest of the run; check checkpoints
+    marked COMMITTED have a manifest."""
+    report = VerifyReport()
+    keys = [o.key for o in run.store.list()]
+    for key in keys:
+        if key == MANIFEST or key.endswith("/" + MANIFEST):
+            prefix = key[: -len(MANIFEST)].rstrip("/")
+            checked, problems = verify_manifest(run.store, prefix)
+            report.manifests += 1
+            report.files += checked
+            report.problems += problems
+    key_set = set(keys)
+    for key in keys:
+        if key.endswith("/" + COMMITTED):
+            folder = key[: -len(COMMITTED) - 1]
+            if f"{folder}/{MANIFEST}" not in key_set:
+                report.problems.append(
+                    Problem(f"{folder}/{MANIFEST}", "missing", "committed checkpoint has no manifest")
+                )
+    return report
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in '90', '90s', '30m', '2h', '7d'."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    t = text.strip().lower()
+    try:
+        if t and t[-1] in units:
+            return float(t[:-1]) * units[t[-1]]
+        return float(t)
+    except ValueError:
+        raise ConfigurationError(f"invalid duration {text!r}: use seconds or 30m, 2h, 7d") from None
+
+
+@dataclass(frozen=True, slots=True)
+class GcItem:
+    """A folder or object that gc removes, and why."""
+
+    key: str
+    reason: str
+    objects: int
+    bytes: int
+
+
+def gc_plan(run: Run, older_than_s: float, keep: int, now: float | None = None) -> list[GcItem]:
+    """What gc would remove: uncommitted checkpoints older than the cut-off, committed ones beyond
+    the newest `keep` per path, and stale temp files of interrupted local writes."""
+    if keep < 1:
+        raise ConfigurationError(f"--keep must be at least 1 (got {keep}): gc never removes the newest checkpoint")
+    now = time.time() if now is None else now
+    folders: dict[str, list[ObjectInfo]] = {}
+    for obj in run.store.list("work"):
+        parts = obj.key.split("/")
+        if len(parts) >= 4 and parse_checkpoint(parts[2]) is not None:
+            folders.setdefault("/".join(parts[:3]), []).append(obj)
+    by_path: dict[str, list[tuple[int, str]]] = {}
+    plan: list[GcItem] = []
+    for folder, objs in sorted(folders.items()):
+        committed = any(o.key == f"{folder}/{COMMITTED}" for o in objs)
+        size, n = sum(o.size for o in objs), len(objs)
+        if committed:
+            pid, name = folder.split("/")[1:3]
+            by_path.setdefault(pid, []).append((parse_checkpoint(name) or 0, folder))
+            continue
+        newest = max((o.mtime or now) for o in objs)
+        if now - newest >= older_than_s:
+            plan.append(GcItem(folder, f"uncommitted, idle {_age(now - newest)}", n, size))
+    for pid, ckpts in sorted(by_path.items()):
+        for step, folder in sorted(ckpts)[:-keep]:
+            objs = folders[folder]
+            plan.append(GcItem(folder, f"committed, older than the newest {keep}", len(objs), sum(o.size for o in objs)))
+    plan += _stale_temp_files(run, older_than_s, now)
+    return plan
+
+
+def _stale_temp_files(run: Run, older_than_s: float, now: float) -> list[GcItem]:
+    """Temp files that a crashed local write left behind (hidden from listings)."""
+    fs, root = run.store.fs, run.store.root
+    if run.store.protocol != "file":
+        return []
+    out = []
+    for path, info in fs.find(root, withdirs=False, detail=True).items():
+        name = path.rsplit("/", 1)[-1]
+        if name.startswith(HIDDEN_PREFIX + "tmp-"):
+            age = now - float(info.get("mtime") or now)
+            if age >= older_than_s:
+                out.append(GcItem(path[len(root) + 1 :], f"temp file, {_age(age)} old", 1, int(info["size"])))
+    return out
+
+
+def gc_apply(run: Run, plan: list[GcItem]) -> int:
+    """Remove what the plan lists; returns objects removed."""
+    removed = 0
+    for item in plan:
+        if item.reason.startswith("temp file"):
+            run.store.fs.rm_file(f"{run.store.root}/{item.key}")
+            removed += 1
+        else:
+            removed += run.store.delete_prefix(item.key)
+    return removed
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def claims(run: Run) -> list[dict[str, Any]]:
+    """Every lease record under claims/, with `expired` computed now."""
+    out = []
+    now = time.time()
+    for obj in run.store.list("claims"):
+        if not obj.key.endswith(".json"):
+            continue
+        try:
+            record = json.loads(run.store.read(obj.key))
+        except ValueError as exc:
+            raise IntegrityError(f"{run.store.url_of(obj.key)} is not valid JSON ({exc}): release it with `paths storage release`") from None
+        record.setdefault("path", obj.key[len("claims/") : -len(".json")])
+        expires = record.get("expires_at")
+        record["expired"] = bool(record.get("state") == "claimed" and expires is not None and expires < now)
+        out.append(record)
+    return out
+
+
+def init(url: str, storage_options: dict[str, Any] | None = None) -> Run:
+    """Create the bucket or folder if absent and write the layout marker (run.json)."""
+    return open_run(url, storage_options, create=True)

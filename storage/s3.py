@@ -1,0 +1,127 @@
+"""S3 and S3-compatible servers through s3fs: conditional PUTs for claims, bucket handling."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from paths.errors import NotFound, PreconditionFailed, StorageError
+from storage.retry import RetryPolicy, s3_error
+from storage.store import Store
+
+_PRECONDITION = frozenset({"PreconditionFailed", "412"})
+_MISSING = frozenset({"NoSuchKey", "404", "NotFound"})
+
+
+def endpoint_from_env() -> str | None:
+    """The endpoint of an S3-compatible server, as the AWS tools read it from the environment."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+def make_s3fs(storage_options: dict[str, Any]):
+    """An s3fs filesystem of our own (not fsspec's shared instance), retrying nothing itself:
+    retries happen in one place, `storage.retry`."""
+    import s3fs
+
+    options = dict(storage_options)
+    endpoint = options.pop("endpoint_url", None) or endpoint_from_env()
+    if endpoint:
+        options["endpoint_url"] = endpoint
+    # No listing cache: other workers write to the same bucket, so listings must be fresh.
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, **options)
+    fs.retries = 1
+    return fs
+
+
+class S3Store(Store):
+    """`s3://bucket/prefix`: conditional writes are S3's If-None-Match / If-Match PUTs."""
+
+    supports_conditional = True
+
+    def __init__(self, fs: Any, bucket: str, prefix: str, url: str, retry: RetryPolicy):
+        super().__init__(fs, f"{bucket}/{prefix}".rstrip("/"), url, retry)
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    # -- bucket ---------------------------------------------------------------------------------
+    def bucket_exists(self) -> bool:
+        """Whether the bucket is there (HEAD bucket)."""
+
+        def head() -> bool:
+            try:
+                self.fs.call_s3("head_bucket", Bucket=self.bucket)
+                return True
+            except Exception as exc:
+                code, status = s3_error(exc)
+                if code in ("404", "NoSuchBucket", "NotFound") or status == 404:
+                    return False
+                if isinstance(exc, FileNotFoundError):
+                    return False
+                raise
+
+        return self._call("", head)
+
+    def create_bucket(self) -> None:
+        """Create the bucket (no-op if it exists)."""
+        if not self.bucket_exists():
+            self._call("", lambda: self.fs.mkdir(self.bucket))
+
+    def require_bucket(self) -> None:
+        """Raise a clear error naming the bucket and the fix when it does not exist."""
+        if not self.bucket_exists():
+            raise NotFound(
+                f"bucket {self.bucket!r} does not exist"
+                f"{' at ' + self.fs.endpoint_url if self.fs.endpoint_url else ''}: "
+                f"create it with `paths storage init {self.url}`"
+            )
+
+    # -- conditional writes ---------------------------------------------------------------------
+    def _put(self, key: str, data: bytes, **condition: str) -> str:
+        try:
+            out = self.fs.call_s3(
+                "put_object", Bucket=self.bucket, Key=self._key(key), Body=data, **condition
+            )
+        except Exception as exc:
+            code, status = s3_error(exc)
+            if code in _PRECONDITION or status == 412 or isinstance(exc, FileExistsError):
+                what = "already exists" if "IfNoneMatch" in condition else "changed since it was read"
+                raise PreconditionFailed(f"{self.url_of(key)} {what}") from None
+            if "IfMatch" in condition and (code in _MISSING or status == 404):
+                raise PreconditionFailed(f"{self.url_of(key)} no longer exists") from None
+            raise
+        return out["ETag"]
+
+    def put_if_absent(self, key: str, data: bytes) -> str:
+        """PUT with If-None-Match: * — exactly one concurrent creator wins."""
+        return self._conditional(key, data, lambda: self._put(key, data, IfNoneMatch="*"))
+
+    def put_if_match(self, key: str, data: bytes, etag: str) -> str:
+        """PUT with If-Match: etag — fails once anyone else has written the object."""
+        return self._conditional(key, data, lambda: self._put(key, data, IfMatch=etag))
+
+    def read_with_etag(self, key: str) -> tuple[bytes, str]:
+        """GET: the body and the ETag of the same version."""
+        from fsspec.asyn import sync
+
+        async def get() -> tuple[bytes, str]:
+            resp = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=self._key(key))
+            body = resp["Body"]
+            try:
+                data = await body.read()
+            finally:
+                body.close()
+            return data, resp["ETag"]
+
+        return self._call(key, lambda: sync(self.fs.loop, get))
+
+
+def split_s3_url(url: str) -> tuple[str, str]:
+    """('bucket', 'prefix') of s3://bucket/prefix."""
+    rest = url.split("://", 1)[1].strip("/")
+    bucket, _, prefix = rest.partition("/")
+    if len(bucket) < 3:
+        raise StorageError(f"{url}: bucket names have at least 3 characters (s3://bucket/prefix)")
+    return bucket, prefix

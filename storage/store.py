@@ -1,0 +1,406 @@
+"""Object-store access for a run: one `Store` per root URL, every byte of I/O goes through here.
+
+Keys are '/'-separated paths relative to the root (never pathlib: it breaks `s3://`). Writes that
+others read are atomic; `put_if_absent` / `put_if_match` give create-only and compare-and-swap
+writes on every backend that can offer them: S3 (If-None-Match / If-Match), local folders
+(link(2) of a finished temp file, and a flock'd lock file for CAS) and memory:// (a process lock).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import IO, Callable, Iterator, TypeVar
+
+import fsspec
+
+from paths.errors import (
+    NotFound,
+    PathsError,
+    PreconditionFailed,
+    StorageError,
+    TransientStorageError,
+    UnsupportedOperation,
+)
+from storage.retry import RetryPolicy, error_chain, is_transient, s3_error
+
+T = TypeVar("T")
+
+# Names of our own scratch files in local folders; listings hide them.
+HIDDEN_PREFIX = ".paths-"
+CHUNK = 8 << 20
+_MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+_DENIED_CODES = frozenset(
+    {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"}
+)
+
+
+def _no_credentials(exc: BaseException) -> bool:
+    return any(type(e).__name__ == "NoCredentialsError" for e in error_chain(exc))
+
+
+def content_etag(data: bytes) -> str:
+    """The etag of a local or in-memory object: a hash of its content."""
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """One object under a store's root."""
+
+    key: str
+    size: int
+    mtime: float | None = None
+
+
+def check_key(key: str) -> str:
+    """A relative '/'-separated key with no empty, '.' or '..' parts."""
+    parts = key.split("/")
+    if key.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise StorageError(f"invalid storage key {key!r}: keys are relative paths without '..'")
+    return key
+
+
+class Store:
+    """A root URL on one fsspec filesystem: plain reads and writes, no conditional writes."""
+
+    supports_conditional = False
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str, retry: RetryPolicy):
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.url = url.rstrip("/")
+        self.retry = retry
+        self.protocol = url.split("://", 1)[0] if "://" in url else "file"
+
+    def __repr__(self) -> str:
+        # Only the URL: storage options may hold credentials.
+        return f"{type(self).__name__}({self.url!r})"
+
+    # -- addressing -----------------------------------------------------------------------------
+    def path(self, key: str = "") -> str:
+        """The filesystem path of a key ('' is the root)."""
+        return f"{self.root}/{check_key(key)}" if key else self.root
+
+    def url_of(self, key: str = "") -> str:
+        """The user-facing URL of a key, for messages."""
+        return f"{self.url}/{key}" if key else self.url
+
+    def _rel(self, path: str) -> str:
+        path = path.rstrip("/")
+        root = self.fs._strip_protocol(self.root).rstrip("/")
+        return path[len(root) + 1 :] if path.startswith(root + "/") else path
+
+    def _call(self, key: str, fn: Callable[[], T]) -> T:
+        """Run one operation with retries, turning library errors into project errors."""
+        try:
+            return self.retry.call(fn)
+        except PathsError:
+            raise
+        except FileNotFoundError as exc:
+            raise NotFound(f"{self.url_of(key)} does not exist") from exc
+        except Exception as exc:
+            code, _ = s3_error(exc)
+            if code in _MISSING_CODES:
+                raise NotFound(f"{self.url_of(key)} does not exist") from exc
+            if code == "NoSuchBucket":
+                raise NotFound(f"the bucket of {self.url_of(key)} does not exist") from exc
+            if code in _DENIED_CODES or isinstance(exc, PermissionError) or _no_credentials(exc):
+                raise StorageError(
+                    f"access to {self.url_of(key)} was denied ({code or type(exc).__name__}): check "
+                    "the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE) "
+                    "and the bucket's policy"
+                ) from exc
+            if is_transient(exc):
+                raise TransientStorageError(
+                    f"{self.url_of(key)}: still failing after {self.retry.attempts} attempts: {exc}"
+                ) from exc
+            raise StorageError(f"{self.url_of(key)}: {type(exc).__name__}: {exc}") from exc
+
+    # -- reads ----------------------------------------------------------------------------------
+    def read(self, key: str) -> bytes:
+        """The whole object."""
+        return self._call(key, lambda: self.fs.cat_file(self.path(key)))
+
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the object; a short read means a truncated object."""
+        data = self._call(key, lambda: self.fs.cat_file(self.path(key), start=start, end=end))
+        if len(data) != end - start:
+            raise StorageError(
+                f"{self.url_of(key)} is truncated: asked for bytes [{start}, {end}), "
+                f"got {len(data)}; rewrite or restore the object"
+            )
+        return data
+
+    def open(self, key: str) -> IO[bytes]:
+        """A binary file object for streaming reads."""
+        return self._call(key, lambda: self.fs.open(self.path(key), "rb"))
+
+    def iter_chunks(self, key: str, chunk: int = CHUNK) -> Iterator[bytes]:
+        """The object in chunks, for hashing or copying without holding it whole."""
+        with self.open(key) as f:
+            while block := self._call(key, lambda: f.read(chunk)):
+                yield block
+
+    def exists(self, key: str) -> bool:
+        """Whether an object (or a folder with objects) is at key."""
+        return self._call(key, lambda: self.fs.exists(self.path(key)))
+
+    def size(self, key: str) -> int:
+        """Bytes in the object."""
+        return self._call(key, lambda: int(self.fs.size(self.path(key))))
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every object under prefix (recursive), sorted by key; our scratch files are hidden."""
+        base = self.path(prefix.rstrip("/")) if prefix else self.root
+
+        def find() -> dict:
+            if not self.fs.exists(base):
+                return {}
+            return self.fs.find(base, withdirs=False, detail=True)
+
+        out = []
+        for path, info in self._call(prefix, find).items():
+            if info.get("type") == "directory":  # some S3 servers list empty "folders"
+                continue
+            key = self._rel(path)
+            if key.rsplit("/", 1)[-1].startswith(HIDDEN_PREFIX):
+                continue
+            out.append(ObjectInfo(key=key, size=int(info.get("size") or 0), mtime=_mtime(info)))
+        return sorted(out, key=lambda o: o.key)
+
+    # -- writes ---------------------------------------------------------------------------------
+    def write(self, key: str, data: bytes) -> None:
+        """Write the object atomically: readers see the old object or the new one, never a part."""
+        self._call(key, lambda: self.fs.pipe_file(self.path(key), data))
+
+    def upload(self, key: str, local_path: str) -> None:
+        """Copy a local file to key atomically (multipart uploads appear only when complete)."""
+        self._call(key, lambda: self.fs.put_file(local_path, self.path(key)))
+
+    def delete(self, key: str) -> None:
+        """Remove one object; removing a missing one is not an error (as on S3)."""
+
+        def go() -> None:
+            try:
+                self.fs.rm_file(self.path(key))
+            except FileNotFoundError:
+                pass  # already gone: deletes are idempotent on every backend
+
+        self._call(key, go)
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Remove every object under prefix; returns how many there were."""
+        objects = self.list(prefix)
+        for o in objects:
+            self.delete(o.key)
+        return len(objects)
+
+    # -- conditional writes ---------------------------------------------------------------------
+    def _no_conditional(self) -> UnsupportedOperation:
+        return UnsupportedOperation(
+            f"{self.protocol}:// ({self.url}) cannot do conditional writes, which claims need: "
+            "use a local folder, s3://bucket/prefix or memory://"
+        )
+
+    def read_with_etag(self, key: str) -> tuple[bytes, str]:
+        """The object and the etag to pass to `put_if_match`."""
+        raise self._no_conditional()
+
+    def put_if_absent(self, key: str, data: bytes) -> str:
+        """Create the object only if nothing is there; returns its etag, else PreconditionFailed."""
+        raise self._no_conditional()
+
+    def put_if_match(self, key: str, data: bytes, etag: str) -> str:
+        """Replace the object only if its etag is still `etag`; returns the new etag."""
+        raise self._no_conditional()
+
+    def _conditional(self, key: str, data: bytes, attempt: Callable[[], str]) -> str:
+        """Run a conditional write with retries; a 412 after a retried attempt may be our own
+        earlier attempt that succeeded but whose answer was lost, so check the content."""
+        tries = 0
+
+        def once() -> str:
+            nonlocal tries
+            tries += 1
+            return attempt()
+
+        try:
+            return self._call(key, once)
+        except PreconditionFailed:
+            if tries > 1:
+                try:
+                    current, etag = self.read_with_etag(key)
+                except NotFound:
+                    raise
+                if current == data:
+                    return etag
+            raise
+
+
+def _mtime(info: dict) -> float | None:
+    value = info.get("mtime", info.get("LastModified", info.get("created")))
+    if value is None:
+        return None
+    return value.timestamp() if hasattr(value, "timestamp") else float(value)
+
+
+class LocalStore(Store):
+    """A local folder: temp file + rename for atomic writes, link(2) for create-only, flock for CAS."""
+
+    supports_conditional = True
+
+    def _tmp(self, path: str) -> str:
+        head, tail = os.path.split(path)
+        return os.path.join(head, f"{HIDDEN_PREFIX}tmp-{uuid.uuid4().hex[:12]}-{tail}")
+
+    def _write_tmp(self, path: str, data: bytes) -> str:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = self._tmp(path)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return tmp
+
+    def _locked(self, path: str):
+        head, tail = os.path.split(path)
+        os.makedirs(head, exist_ok=True)
+        return _FileLock(os.path.join(head, f"{HIDDEN_PREFIX}lock-{tail}"))
+
+    def write(self, key: str, data: bytes) -> None:
+        """Write to a temp file in the same folder, fsync, then rename over the target."""
+        path = self.path(key)
+
+        def go() -> None:
+            os.replace(self._write_tmp(path, data), path)
+
+        self._call(key, go)
+
+    def upload(self, key: str, local_path: str) -> None:
+        """Copy through a temp file in the target folder, then rename."""
+        import shutil
+
+        path = self.path(key)
+
+        def go() -> None:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = self._tmp(path)
+            shutil.copyfile(local_path, tmp)
+            os.replace(tmp, path)
+
+        self._call(key, go)
+
+    def delete(self, key: str) -> None:
+        """Remove under the key's lock so a concurrent compare-and-swap cannot resurrect it."""
+        path = self.path(key)
+
+        def go() -> None:
+            with self._locked(path):
+                try:
+                    os.remove(path)
+                except FileNotFoundError:
+                    pass  # already gone: deletes are idempotent on every backend
+
+        self._call(key, go)
+
+    def read_with_etag(self, key: str) -> tuple[bytes, str]:
+        """Renames are atomic, so one read gives a consistent content and etag."""
+        data = self.read(key)
+        return data, content_etag(data)
+
+    def put_if_absent(self, key: str, data: bytes) -> str:
+        """Write a complete temp file, then link(2) it to the key: fails if the key exists."""
+        path = self.path(key)
+
+        def go() -> str:
+            tmp = self._write_tmp(path, data)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise PreconditionFailed(f"{self.url_of(key)} already exists") from None
+            finally:
+                os.remove(tmp)
+            return content_etag(data)
+
+        return self._call(key, go)
+
+    def put_if_match(self, key: str, data: bytes, etag: str) -> str:
+        """Under the key's lock: compare the current content hash, then rename over it."""
+        path = self.path(key)
+
+        def go() -> str:
+            with self._locked(path):
+                try:
+                    with open(path, "rb") as f:
+                        current = content_etag(f.read())
+                except FileNotFoundError:
+                    raise PreconditionFailed(f"{self.url_of(key)} no longer exists") from None
+                if current != etag:
+                    raise PreconditionFailed(f"{self.url_of(key)} changed since it was read")
+                os.replace(self._write_tmp(path, data), path)
+            return content_etag(data)
+
+        return self._call(key, go)
+
+
+class _FileLock:
+    """An exclusive flock(2) on a lock file; released by the kernel if the process dies."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fd = -1
+
+    def __enter__(self) -> "_FileLock":
+        import fcntl
+
+        self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import fcntl
+
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+class MemoryStore(Store):
+    """fsspec's in-process memory filesystem; conditional writes under one process lock."""
+
+    supports_conditional = True
+    _lock = threading.Lock()  # memory:// is one namespace per process, so is its lock
+
+    def read_with_etag(self, key: str) -> tuple[bytes, str]:
+        """Content and its hash, read under the lock."""
+        with self._lock:
+            data = self.read(key)
+        return data, content_etag(data)
+
+    def put_if_absent(self, key: str, data: bytes) -> str:
+        """Create under the lock, or PreconditionFailed."""
+        with self._lock:
+            if self.fs.exists(self.path(key)):
+                raise PreconditionFailed(f"{self.url_of(key)} already exists")
+            self.write(key, data)
+        return content_etag(data)
+
+    def put_if_match(self, key: str, data: bytes, etag: str) -> str:
+        """Compare and swap under the lock."""
+        with self._lock:
+            try:
+                current = content_etag(self.read(key))
+            except NotFound:
+                raise PreconditionFailed(f"{self.url_of(key)} no longer exists") from None
+            if current != etag:
+                raise PreconditionFailed(f"{self.url_of(key)} changed since it was read")
+            self.write(key, data)
+        return content_etag(data)
+
+    def delete(self, key: str) -> None:
+        """Remove under the lock."""
+        with self._lock:
+            super().delete(key)
