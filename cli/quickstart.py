@@ -6,7 +6,7 @@ import time
 
 import click
 
-from cli.render import render
+from cli.render import render, render_plan
 from paths.errors import IntegrityError
 from paths.quickstart import DEFAULT_ROOT, stages
 from storage.admin import VerifyReport
@@ -20,7 +20,12 @@ def quickstart(root: str) -> None:
     for title, step in stages(root):
         click.secho(f"\n$ {title}", bold=True)
         result = step()
-        click.echo(result if isinstance(result, str) else render(result))
+        if isinstance(result, dict) and "parameters_per_path" in result:
+            click.echo(render_plan(result))
+        elif isinstance(result, dict) and "bytes_written" in result:
+            click.echo(f"{result['bytes_written']:,} bytes of tensors written, {result['tensor_bytes_read']:,} read from base/ in {result['seconds']}s")
+        else:
+            click.echo(result if isinstance(result, str) else render(result))
         if isinstance(result, VerifyReport) and not result.ok:
             raise IntegrityError(f"verify found {len(result.problems)} problems in {root}")
     click.echo(f"\nquickstart done in {time.perf_counter() - start:.1f}s")

@@ -102,3 +102,19 @@ def render_claims(records: list[dict[str, Any]]) -> str:
 
 def _when(ts: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+def render_plan(s: dict[str, Any]) -> str:
+    """The plan table of `paths plan` / `paths init --dry-run`."""
+    rows = [
+        (f"level {g}", f"layers {a}-{b}", n)
+        for g, ((a, b), n) in enumerate(zip(s["level_layers"], s["layers_per_level"]))
+    ]
+    out = table(("level", "layers", "count"), rows)
+    note = "" if s["decomposed"] else " (not decomposed yet)"
+    return (
+        f"{s['family']} MoE, {s['experts_per_layer']} experts per layer, {s['levels']} levels{note}\n{out}\n"
+        f"paths: {s['paths']} (e.g. {s['example_path']})\n"
+        f"parameters per path: {s['parameters_per_path']:,} ({s['parameters_shared']:,} shared)\n"
+        f"parameters of the MoE: {s['parameters_total']:,}"
+    )

@@ -1,24 +1,71 @@
 """The embedded default end to end: a local folder as the object store and a tiny model.
 
 Each stage is a (title, callable) pair; the CLI runs them in order and renders each result, so
-later stages (init, decompose, shard, train, compose) are appended here as they exist.
+later stages (shard, train, compose) are appended here as they exist. Running it again reuses what
+the run already holds.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Iterator
 
 from storage import admin
 
 DEFAULT_ROOT = "runs/quickstart"
+PRESET = "tiny-mixtral"
+LEVELS = 2
+PATH = "p01-02"
 
 Stage = tuple[str, Callable[[], Any]]
 
 
 def stages(root: str = DEFAULT_ROOT) -> Iterator[Stage]:
     """The quickstart's stages in order, for a run at `root`."""
+    from paths.base import init_run
+    from paths.decompose import decompose, describe, materialize
+
     run = admin.init(root)
     yield f"paths storage init {root}", lambda: f"run at {run.url}"
+    if "base" in run.read_meta():
+        yield f"paths init {root} --preset {PRESET}", lambda: "(the run already holds a base model: reused)"
+    else:
+        yield f"paths init {root} --preset {PRESET}", lambda: _init(init_run, root)
+    yield f"paths decompose {root} --levels {LEVELS}", lambda: _decomposed(decompose(run, LEVELS))
+    yield f"paths plan {root}", lambda: describe(run)
+    out = os.path.join(os.path.dirname(os.path.abspath(root)), f"quickstart-{PATH}")
+    yield f"paths materialize {root} --path {PATH} --out {out}", lambda: materialize(run, PATH, out)
+    yield f"AutoModelForCausalLM.from_pretrained({out!r})", lambda: _load(out)
     yield f"paths storage ls {root}", lambda: admin.ls(run)
     yield f"paths storage du {root}", lambda: admin.du(run)
     yield f"paths storage verify {root}", lambda: admin.verify(run)
+
+
+def _init(init_run: Callable[..., dict], root: str) -> str:
+    meta = init_run(root, preset=PRESET)
+    b = meta["base"]
+    return f"{b['family']} MoE: {b['num_layers']} layers x {b['num_experts']} experts, tokenizer of {meta['tokenizer']['vocab_size']} tokens"
+
+
+def _decomposed(out: dict[str, Any]) -> str:
+    return f"{len(out['paths'])} paths of {out['parameters_per_path']:,} parameters (path.json only, no weights copied)"
+
+
+def _load(folder: str) -> str:
+    """Load the dense path with stock transformers and run it once."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    ids = tok("def quickstart():", return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = model(ids).logits
+    n = sum(p.numel() for p in model.parameters())
+    expected = json.load(open(os.path.join(folder, "path.json")))["parameters"]
+    return (
+        f"{type(model).__name__} with {n:,} parameters (path.json says {expected:,}); "
+        f"logits for {ids.shape[1]} prompt tokens: {tuple(logits.shape)}"
+    )

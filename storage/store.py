@@ -12,6 +12,7 @@ import hashlib
 import os
 import threading
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from typing import IO, Callable, Iterator, TypeVar
 
@@ -75,6 +76,7 @@ class Store:
         self.url = url.rstrip("/")
         self.retry = retry
         self.protocol = url.split("://", 1)[0] if "://" in url else "file"
+        self.bytes_read: Counter[str] = Counter()  # by key: what ranged readers really fetched
 
     def __repr__(self) -> str:
         # Only the URL: storage options may hold credentials.
@@ -123,11 +125,14 @@ class Store:
     # -- reads ----------------------------------------------------------------------------------
     def read(self, key: str) -> bytes:
         """The whole object."""
-        return self._call(key, lambda: self.fs.cat_file(self.path(key)))
+        data = self._call(key, lambda: self.fs.cat_file(self.path(key)))
+        self.bytes_read[key] += len(data)
+        return data
 
     def read_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of the object; a short read means a truncated object."""
         data = self._call(key, lambda: self.fs.cat_file(self.path(key), start=start, end=end))
+        self.bytes_read[key] += len(data)
         if len(data) != end - start:
             raise StorageError(
                 f"{self.url_of(key)} is truncated: asked for bytes [{start}, {end}), "

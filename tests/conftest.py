@@ -70,3 +70,42 @@ def store(store_url):
     """A fresh, empty store on each backend."""
     url, options = store_url
     return open_store(url, options, create=True)
+
+
+# -- models -----------------------------------------------------------------------------------
+PRESETS = {"mixtral": "tiny-mixtral", "qwen3_moe": "tiny-qwen3moe"}
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> str:
+    """A 512-token byte-level BPE, trained once per session (as `paths init` would)."""
+    from paths.tokenizer import train_bpe
+
+    folder = str(tmp_path_factory.mktemp("tokenizer"))
+    train_bpe(512).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _offline_hf(tmp_path_factory):
+    """No hub access, and remote code / caches in a temp folder."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("HF_HOME", str(tmp_path_factory.mktemp("hf_home")))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(params=sorted(PRESETS))
+def family_name(request) -> str:
+    """Each supported MoE family in turn."""
+    return request.param
+
+
+@pytest.fixture
+def tiny_run(family_name, tmp_path, tokenizer_dir):
+    """A local run holding a tiny MoE of the family, seeded."""
+    from paths.base import init_run
+    from storage.layout import open_run
+
+    url = str(tmp_path / "run")
+    init_run(url, preset=PRESETS[family_name], tokenizer_dir=tokenizer_dir, seed=1)
+    return open_run(url)

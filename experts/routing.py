@@ -1,0 +1,36 @@
+"""Routing overrides on transformers' MoE blocks, located through the family's tensor names."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from paths.families import Family, fill
+
+
+@contextlib.contextmanager
+def forced_routing(model: torch.nn.Module, family: Family, experts: list[int]) -> Iterator[None]:
+    """Inside the block, layer l's router sends every token to expert experts[l] with weight 1:
+    the MoE then computes exactly what the path choosing those experts computes."""
+    routers = [model.get_submodule(fill(family.router["memory"], layer).rsplit(".", 1)[0]) for layer in range(len(experts))]
+    saved = [r.forward for r in routers]
+
+    def make(router: torch.nn.Module, expert: int):
+        def forward(hidden_states: torch.Tensor):
+            h = hidden_states.reshape(-1, router.weight.shape[1])  # (T, H)
+            logits = torch.nn.functional.linear(h, router.weight)  # (T, E)
+            index = torch.full((h.shape[0], 1), expert, dtype=torch.long, device=h.device)  # (T, 1)
+            weights = torch.ones((h.shape[0], 1), dtype=logits.dtype, device=h.device)  # (T, 1)
+            return logits, weights, index
+
+        return forward
+
+    try:
+        for router, expert in zip(routers, experts):
+            router.forward = make(router, expert)
+        yield
+    finally:
+        for router, forward in zip(routers, saved):
+            router.forward = forward

@@ -1,0 +1,191 @@
+"""MoE families as data: one TOML per family in configs/families/ (mergekit's habit).
+
+A family says where the router and expert tensors live (in memory: fused 3-D; on disk: per expert),
+which dense class a path becomes, and how MoE config fields map to the dense sibling's. Adding a
+family is adding a file; nothing here names a family.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, Literal
+
+from paths.errors import ConfigurationError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+PARTS = ("gate", "up", "down")
+Part = Literal["gate", "up", "down"]
+
+
+def _regex(template: str) -> re.Pattern[str]:
+    """'a.${layer}.b.${expert}' -> a regex with named groups layer and expert."""
+    out = re.escape(template)
+    out = out.replace(re.escape("${layer}"), r"(?P<layer>\d+)").replace(re.escape("${expert}"), r"(?P<expert>\d+)")
+    return re.compile(out + "$")
+
+
+def fill(template: str, layer: int, expert: int | None = None) -> str:
+    """Expand a tensor-name template."""
+    name = template.replace("${layer}", str(layer))
+    return name.replace("${expert}", str(expert)) if expert is not None else name
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRole:
+    """What a tensor of the MoE is: shared, a router, or one projection of one expert."""
+
+    kind: Literal["shared", "router", "expert", "fused"]
+    layer: int | None = None
+    expert: int | None = None
+    part: str | None = None  # gate/up/down per expert; gate_up/down for fused tensors
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One MoE family and its dense sibling, read from configs/families/<name>.toml."""
+
+    name: str
+    moe_model_type: str
+    moe_architecture: str
+    dense_model_type: str
+    dense_architecture: str
+    num_experts_field: str
+    num_experts_aliases: tuple[str, ...]
+    top_k_field: str
+    router: dict[str, str]
+    experts_memory: dict[str, str]
+    experts_disk: dict[str, str]
+    experts_dense: dict[str, str]
+    dense_copy: tuple[str, ...]
+    dense_rename: dict[str, str]
+    require: dict[str, Any]
+    upcycle_set: dict[str, Any]
+
+    # -- tensor names ---------------------------------------------------------------------------
+    def disk_expert(self, layer: int, expert: int, part: Part) -> str:
+        """Per-expert tensor name as saved on disk."""
+        return fill(self.experts_disk[part], layer, expert)
+
+    def dense_mlp(self, layer: int, part: Part) -> str:
+        """The dense sibling's MLP tensor name."""
+        return fill(self.experts_dense[part], layer)
+
+    def classify(self, name: str) -> TensorRole:
+        """The role of a tensor of the MoE, by its disk or memory name."""
+        for layout in ("disk", "memory"):
+            m = _regex(self.router[layout]).match(name)
+            if m:
+                return TensorRole("router", int(m["layer"]))
+        for part, template in self.experts_disk.items():
+            m = _regex(template).match(name)
+            if m:
+                return TensorRole("expert", int(m["layer"]), int(m["expert"]), part)
+        for part, template in self.experts_memory.items():
+            m = _regex(template).match(name)
+            if m:
+                return TensorRole("fused", int(m["layer"]), None, part)
+        return TensorRole("shared")
+
+    # -- configs --------------------------------------------------------------------------------
+    def num_experts(self, moe_config: dict[str, Any]) -> int:
+        """Experts per layer of an MoE config."""
+        for key in (self.num_experts_field, *self.num_experts_aliases):
+            if key in moe_config:
+                return int(moe_config[key])
+        raise ConfigurationError(f"{self.name} config has no {self.num_experts_field}: it is not an MoE config")
+
+    def check_moe_config(self, moe_config: dict[str, Any]) -> None:
+        """Refuse MoE configs that paths cannot decompose (e.g. dense layers in between)."""
+        for key, want in self.require.items():
+            if key in moe_config and moe_config[key] != want:
+                raise ConfigurationError(
+                    f"{self.name} config has {key}={moe_config[key]!r}; paths needs {key}={want!r} "
+                    "(every layer an MoE layer)"
+                )
+
+    def dense_config(self, moe_config: dict[str, Any]) -> dict[str, Any]:
+        """The dense sibling's config for a path of this MoE: every shared field copied."""
+        out = {k: moe_config[k] for k in self.dense_copy if k in moe_config}
+        for src, dst in self.dense_rename.items():
+            out[dst] = moe_config[src]
+        out["model_type"] = self.dense_model_type
+        out["architectures"] = [self.dense_architecture]
+        return out
+
+    def moe_config(self, dense_config: dict[str, Any], experts: int, top_k: int) -> dict[str, Any]:
+        """The MoE config of a dense model upcycled to `experts` experts."""
+        out = {k: dense_config[k] for k in self.dense_copy if k in dense_config}
+        for src, dst in self.dense_rename.items():
+            out[src] = dense_config[dst]
+        out.update(self.upcycle_set)
+        out.update({self.num_experts_field: experts, self.top_k_field: top_k})
+        out["model_type"] = self.moe_model_type
+        out["architectures"] = [self.moe_architecture]
+        return out
+
+
+@cache
+def families() -> dict[str, Family]:
+    """Every family described in configs/families/, by name."""
+    out = {}
+    folder = os.path.join(CONFIGS, "families")
+    for fname in sorted(os.listdir(folder)):
+        if fname.endswith(".toml"):
+            with open(os.path.join(folder, fname), "rb") as f:
+                d = tomllib.load(f)
+            out[d["name"]] = Family(
+                name=d["name"],
+                moe_model_type=d["moe_model_type"],
+                moe_architecture=d["moe_architecture"],
+                dense_model_type=d["dense_model_type"],
+                dense_architecture=d["dense_architecture"],
+                num_experts_field=d["num_experts_field"],
+                num_experts_aliases=tuple(d.get("num_experts_aliases", ())),
+                top_k_field=d["top_k_field"],
+                router=d["router"],
+                experts_memory=d["experts"]["memory"],
+                experts_disk=d["experts"]["disk"],
+                experts_dense=d["experts"]["dense"],
+                dense_copy=tuple(d["dense_config"]["copy"]),
+                dense_rename=d["dense_config"].get("rename", {}),
+                require=d.get("require", {}),
+                upcycle_set=d.get("upcycle_set", {}),
+            )
+    return out
+
+
+def get_family(name: str) -> Family:
+    """A family by name."""
+    try:
+        return families()[name]
+    except KeyError:
+        raise ConfigurationError(f"unknown MoE family {name!r}: supported are {', '.join(sorted(families()))}") from None
+
+
+def family_of_config(config: dict[str, Any], what: str) -> Family:
+    """The family of an MoE config (by model_type), or a clear error naming the supported ones."""
+    model_type = config.get("model_type")
+    for fam in families().values():
+        if fam.moe_model_type == model_type:
+            return fam
+    supported = ", ".join(f"{f.moe_model_type} ({f.moe_architecture})" for f in families().values())
+    raise ConfigurationError(f"{what} is a {model_type!r} model, not a supported MoE: supported are {supported}")
+
+
+def family_of_dense_config(config: dict[str, Any], what: str) -> Family:
+    """The family whose dense sibling this config is (for upcycling)."""
+    model_type = config.get("model_type")
+    for fam in families().values():
+        if fam.dense_model_type == model_type:
+            return fam
+    supported = ", ".join(f"{f.dense_model_type} ({f.dense_architecture})" for f in families().values())
+    raise ConfigurationError(f"{what} is a {model_type!r} model; upcycling supports {supported}")
