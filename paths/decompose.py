@@ -24,7 +24,7 @@ from paths.families import PARTS, Family, get_family
 from paths.plan import Plan
 from storage.layout import Run
 from storage.manifest import ArtifactWriter, read_manifest, read_verified
-from storage.safetensors_io import OutTensor, TensorEntry, coalesce, write_streaming
+from storage.safetensors_io import OutTensor, TensorEntry, read_plan, read_ranges, write_streaming
 
 WEIGHTS = "model.safetensors"
 
@@ -152,28 +152,22 @@ def materialize(run: Run, path_id: str, out_dir: str) -> dict[str, Any]:
     hashes = read_manifest(run.store, run.base).get("tensors", {})
     pieces = path_pieces(family, tensors, record["experts"])
     # Tensors are written in the order they lie in base/ (safetensors needs contiguous offsets,
-    # not sorted names), so each coalesced read goes straight to the output: one read in memory.
+    # not sorted names), so the planned reads stream straight into the output, a few chunks in
+    # memory at a time, and each tensor's sha256 is checked as its bytes pass.
     pieces.sort(key=lambda p: (p.source.key, p.source.begin))
     order = [OutTensor(p.dense_name, p.source.dtype, p.source.shape, p.source.nbytes) for p in pieces]
-    read = 0
-
-    def blobs() -> Iterator[bytes]:
-        nonlocal read
-        i = 0
-        for group in coalesce([p.source for p in pieces]):
-            first = group[0]
-            blob = run.store.read_range(first.key, first.begin, group[-1].end)
-            read += len(blob)
-            for e in group:
-                data = blob[e.begin - first.begin : e.end - first.begin]
-                _check(run, pieces[i], data, hashes)
-                i += 1
-                yield data
-
+    plan = read_plan([p.source for p in pieces])
+    checker = _Checker(run, pieces, hashes, plan)
+    chunks = (checker.feed(c) for c in read_ranges(run.store, plan, checker.on_read))
     os.makedirs(out_dir, exist_ok=True)
     tmp = os.path.join(out_dir, f".{WEIGHTS}.partial")
-    with open(tmp, "wb") as f:
-        written = write_streaming(f, order, blobs(), {"format": "pt", "paths.path": path_id})
+    try:
+        with open(tmp, "wb") as f:
+            written = write_streaming(f, order, chunks, {"format": "pt", "paths.path": path_id})
+    except BaseException:
+        os.remove(tmp)  # nothing half-written is left behind
+        raise
+    checker.done()
     os.replace(tmp, os.path.join(out_dir, WEIGHTS))
     dense_cfg = family.dense_config(config)
     dense_cfg["dtype"] = config.get("dtype", "float32")
@@ -188,18 +182,78 @@ def materialize(run: Run, path_id: str, out_dir: str) -> dict[str, Any]:
         "path": path_id,
         "out": out_dir,
         "bytes_written": written,
-        "tensor_bytes_read": read,
+        "tensor_bytes_read": checker.total,
         "header_bytes_read": header_bytes,
         "seconds": round(time.perf_counter() - start, 3),
     }
 
 
-def _check(run: Run, piece: Piece, data: bytes, hashes: dict[str, str]) -> None:
-    want = hashes.get(piece.check)
-    if want is not None and hashlib.sha256(data).hexdigest() != want:
-        raise IntegrityError(
-            f"{run.store.url_of(piece.source.key)}: tensor {piece.source.name} does not match its sha256 in base/manifest.json: restore the file"
-        )
+class _Checker:
+    """Checks each piece's sha256 against base/manifest.json as its bytes stream past.
+
+    A piece that lies inside one planned read is hashed by the worker that read it (hashlib drops
+    the GIL, so hashing runs beside the writes); a piece spread over several reads (the embedding)
+    is hashed incrementally in order by `feed`.
+    """
+
+    def __init__(self, run: Run, pieces: list[Piece], hashes: dict[str, str], plan: list[tuple[str, int, int]]):
+        self.run, self.pieces, self.hashes = run, pieces, hashes
+        self.inside: list[list[int]] = []
+        spanning = set(range(len(pieces)))
+        j = 0
+        for key, b, e in plan:
+            here = []
+            while j < len(pieces) and pieces[j].source.key == key and pieces[j].source.end <= e:
+                src = pieces[j].source
+                if src.begin >= b:
+                    here.append(j)
+                    spanning.discard(j)
+                j += 1
+            self.inside.append(here)
+        # Pieces spanning reads, with the bytes still to come of the current one.
+        self.spanning = sorted(spanning)
+        self.total = 0
+        self._h = hashlib.sha256()
+        self._k = 0
+        self._plan = plan
+        self._chunk = 0
+
+    def _verify(self, i: int, digest: str) -> None:
+        piece = self.pieces[i]
+        want = self.hashes.get(piece.check)
+        if want is not None and digest != want:
+            raise IntegrityError(
+                f"{self.run.store.url_of(piece.source.key)}: tensor {piece.source.name} does not match its sha256 in base/manifest.json: restore the file"
+            )
+
+    def on_read(self, c: int, data: bytes) -> None:
+        """In a worker: hash the pieces wholly inside read c."""
+        _, b, _ = self._plan[c]
+        view = memoryview(data)
+        for i in self.inside[c]:
+            src = self.pieces[i].source
+            self._verify(i, hashlib.sha256(view[src.begin - b : src.end - b]).hexdigest())
+
+    def feed(self, data: bytes) -> bytes:
+        """In order, on the main thread: hash the parts of spanning pieces in this read."""
+        key, b, e = self._plan[self._chunk]
+        self._chunk += 1
+        self.total += len(data)
+        view = memoryview(data)
+        while self._k < len(self.spanning):
+            src = self.pieces[self.spanning[self._k]].source
+            if src.key != key or src.begin >= e:
+                break
+            lo, hi = max(src.begin, b), min(src.end, e)
+            self._h.update(view[lo - b : hi - b])
+            if src.end > e:
+                break
+            self._verify(self.spanning[self._k], self._h.hexdigest())
+            self._h, self._k = hashlib.sha256(), self._k + 1
+        return data
+
+    def done(self) -> None:
+        assert self._k == len(self.spanning) and self._chunk == len(self._plan), "every piece was read and checked"
 
 
 def _copy_optional(run: Run, prefix: str, name: str, out_dir: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
-from typing import BinaryIO, Iterable, Iterator
+from typing import BinaryIO, Callable, Iterable, Iterator
 
 from paths.errors import IntegrityError
 from storage.store import Store
@@ -84,13 +84,45 @@ def coalesce(entries: list[TensorEntry], max_gap: int = 0) -> list[list[TensorEn
     return groups
 
 
-def read_tensors(store: Store, entries: list[TensorEntry]) -> Iterator[tuple[TensorEntry, bytes]]:
-    """The raw bytes of each entry, fetched with as few ranged reads as touching ranges allow."""
+def read_plan(entries: list[TensorEntry], chunk: int = 8 << 20) -> list[tuple[str, int, int]]:
+    """(key, begin, end) reads covering the entries in file order: touching ranges merged, then
+    cut into pieces of at most `chunk` bytes so memory stays bounded whatever the tensor size."""
+    out = []
     for group in coalesce(entries):
-        start, stop = group[0].begin, group[-1].end
-        blob = store.read_range(group[0].key, start, stop)
-        for e in group:
-            yield e, blob[e.begin - start : e.end - start]
+        key, begin, end = group[0].key, group[0].begin, group[-1].end
+        for b in range(begin, end, chunk):
+            out.append((key, b, min(end, b + chunk)))
+    return out
+
+
+def read_ranges(
+    store: Store,
+    plan: list[tuple[str, int, int]],
+    on_read: Callable[[int, bytes], None] | None = None,
+    workers: int = 4,
+    window: int = 4,
+) -> Iterator[bytes]:
+    """The bytes of each planned read, in order, with up to `window` reads in flight on a thread
+    pool (object stores answer concurrent ranged GETs much faster than sequential ones).
+    `on_read(i, data)` runs in the worker right after read i (e.g. hashing, off the main thread);
+    what it raises is raised here."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    def fetch(i: int, key: str, b: int, e: int) -> bytes:
+        data = store.read_range(key, b, e)
+        if on_read is not None:
+            on_read(i, data)
+        return data
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        pending: deque = deque()
+        for i, (key, b, e) in enumerate(plan):
+            pending.append(pool.submit(fetch, i, key, b, e))
+            if len(pending) >= window:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,13 +147,15 @@ def header_bytes(tensors: list[OutTensor], metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def write_streaming(f: BinaryIO, tensors: list[OutTensor], data: Iterable[bytes], metadata: dict[str, str]) -> int:
-    """Write a safetensors file from the header plan and each tensor's bytes, in plan order."""
+def write_streaming(f: BinaryIO, tensors: list[OutTensor], chunks: Iterable[bytes], metadata: dict[str, str]) -> int:
+    """Write a safetensors file: the header for `tensors` (packed in the given order), then the
+    data as chunks whose concatenation is every tensor's bytes in that order."""
     f.write(header_bytes(tensors, metadata))
+    expected = sum(t.nbytes for t in tensors)
     written = 0
-    for t, blob in zip(tensors, data, strict=True):
-        if len(blob) != t.nbytes:
-            raise IntegrityError(f"tensor {t.name}: got {len(blob)} bytes, expected {t.nbytes}")
-        f.write(blob)
-        written += len(blob)
+    for chunk in chunks:
+        f.write(chunk)
+        written += len(chunk)
+    if written != expected:
+        raise IntegrityError(f"wrote {written} bytes of tensor data, expected {expected}")
     return written
