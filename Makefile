@@ -32,6 +32,7 @@ quickstart: install
 
 bench: install
 	$(PY) bench/storage.py
+	$(PY) bench/materialize.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
