@@ -6,7 +6,7 @@ import time
 
 import click
 
-from cli.render import render, render_plan
+from cli.render import render, render_dataset, render_plan
 from paths.errors import IntegrityError
 from paths.quickstart import DEFAULT_ROOT, stages
 from storage.admin import VerifyReport
@@ -22,6 +22,8 @@ def quickstart(root: str) -> None:
         result = step()
         if isinstance(result, dict) and "parameters_per_path" in result:
             click.echo(render_plan(result))
+        elif isinstance(result, dict) and result.get("kind") == "dataset":
+            click.echo(render_dataset({**result, "paths": {p: c for p, c in result["paths"].items() if c["train_docs"] + c["heldout_docs"]}}))
         elif isinstance(result, dict) and "bytes_written" in result:
             click.echo(f"{result['bytes_written']:,} bytes of tensors written, {result['tensor_bytes_read']:,} read from base/ in {result['seconds']}s")
         else:

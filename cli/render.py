@@ -118,3 +118,33 @@ def render_plan(s: dict[str, Any]) -> str:
         f"parameters per path: {s['parameters_per_path']:,} ({s['parameters_shared']:,} shared)\n"
         f"parameters of the MoE: {s['parameters_total']:,}"
     )
+
+
+def render_dataset(manifest: dict[str, Any], json_out: bool = False) -> str:
+    """Documents and tokens per path of a dataset manifest."""
+    paths = manifest["paths"]
+    summary = {
+        "dataset": manifest["dataset"], "kind": manifest["data_kind"], "router": manifest["router"],
+        "documents": manifest["documents"], "tokens": manifest["tokens"], "capacity": manifest.get("capacity"),
+        "inputs": len(manifest["inputs"]), "skipped": _skipped(manifest["inputs"]), "paths": paths,
+    }
+    if json_out:
+        return as_json(summary)
+    rows = [[p, c["train_docs"], c["train_tokens"], c["heldout_docs"], c["heldout_tokens"]] for p, c in sorted(paths.items())]
+    head = (
+        f"dataset {manifest['dataset']} ({manifest['data_kind']}): {manifest['documents']:,} documents, "
+        f"{manifest['tokens']:,} tokens from {len(manifest['inputs'])} inputs; router {manifest['router']['kind']}"
+        + (f", balanced (capacity {manifest['capacity']})" if manifest.get("capacity") else "")
+    )
+    skipped = summary["skipped"]
+    tail = "skipped: " + ", ".join(f"{k} {v}" for k, v in skipped.items() if v) if any(skipped.values()) else "skipped: none"
+    return "\n".join([head, table(["path", "docs", "tokens", "heldout docs", "heldout tokens"], rows), tail])
+
+
+def _skipped(inputs: list[dict[str, Any]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in inputs:
+        for k, v in item["skipped"].items():
+            if k != "records":
+                out[k] = out.get(k, 0) + v
+    return out

@@ -353,3 +353,53 @@ def require_base(run: Run) -> dict[str, Any]:
     if "base" not in meta:
         raise NotFound(f"{run.url} has no base model: run `paths init {run.url} --preset tiny-mixtral` (or --from / upcycle) first")
     return meta
+
+
+def fetch_dir(run: Run, prefix: str) -> str:
+    """A local folder holding a committed artifact (base/, tokenizer/, a checkpoint): the folder
+    itself for a local run, else a verified download into a cache keyed by the manifest's hash."""
+    from storage.manifest import MANIFEST, read_verified
+    from storage.store import LocalStore
+
+    manifest = read_manifest(run.store, prefix)
+    if isinstance(run.store, LocalStore):
+        return run.store.path(prefix)
+    key = sha256_hex(json.dumps(manifest["files"], sort_keys=True).encode())[:16]
+    home = os.environ.get("PATHS_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "paths")
+    folder = os.path.join(home, "artifacts", f"{prefix.replace('/', '_')}-{key}")
+    if os.path.exists(os.path.join(folder, MANIFEST)):
+        return folder
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".fetch-", dir=os.path.dirname(folder))
+    for name in manifest["files"]:
+        target = os.path.join(tmp, name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "wb") as f:
+            f.write(read_verified(run.store, prefix, name))
+    with open(os.path.join(tmp, MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    try:
+        os.rename(tmp, folder)
+    except OSError:  # another process fetched it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def run_tokenizer(run: Run):
+    """The run's shared tokenizer (fast), and the sha256 that names it."""
+    meta = run.read_meta()
+    if "tokenizer" not in meta:
+        raise NotFound(f"{run.url} has no tokenizer: run `paths init {run.url} ...` first")
+    return load_tokenizer(fetch_dir(run, run.tokenizer)), meta["tokenizer"]["checksum"]
+
+
+def load_base_model(run: Run):
+    """The base MoE as a float32 transformers model in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from transformers.utils import logging as hf_logging
+
+    require_base(run)
+    hf_logging.disable_progress_bar()  # our own progress bars say what is happening
+    return AutoModelForCausalLM.from_pretrained(fetch_dir(run, run.base), dtype=torch.float32).eval()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from paths.base import base_config, base_tensors, count_parameters, require_base
-from paths.errors import ConfigurationError, IntegrityError
+from paths.errors import ConfigurationError, IntegrityError, NotFound
 from paths.families import PARTS, Family, get_family
 from paths.plan import Plan
 from storage.layout import Run
@@ -301,3 +301,14 @@ def summarize(plan: Plan, family: str, params: dict[str, int], decomposed: bool)
         "parameters_shared": params["shared"],
         "example_path": plan.path_id(tuple([0] * plan.levels)),
     }
+
+
+def decomposed_paths(run: Run) -> tuple[Plan, list[str]]:
+    """The plan and the ids of every decomposed path, in plan order."""
+    plan, _, _ = run_plan(run)
+    try:
+        files = read_manifest(run.store, "paths")["files"]
+    except NotFound:
+        raise ConfigurationError(f"{run.url} is not decomposed yet: run `paths decompose {run.url} --levels G`") from None
+    ids = sorted({name.split("/", 1)[0] for name in files if name.endswith("/path.json")})
+    return plan, ids

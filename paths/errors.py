@@ -42,6 +42,10 @@ class IntegrityError(StorageError):
     """An object is truncated, or its checksum does not match its manifest."""
 
 
+class DataError(PathsError):
+    """An input record cannot be used: malformed JSON, a missing field, bytes that are not UTF-8."""
+
+
 class FormatVersionError(PathsError):
     """An artifact was written by a newer or unknown format version."""
 

@@ -16,6 +16,8 @@ DEFAULT_ROOT = "runs/quickstart"
 PRESET = "tiny-mixtral"
 LEVELS = 2
 PATH = "p01-02"
+DATASET = "corpus"
+DOMAINS = {"code": "p00-00", "prose": "p01-02", "math": "p03-03"}
 
 Stage = tuple[str, Callable[[], Any]]
 
@@ -33,6 +35,13 @@ def stages(root: str = DEFAULT_ROOT) -> Iterator[Stage]:
         yield f"paths init {root} --preset {PRESET}", lambda: _init(init_run, root)
     yield f"paths decompose {root} --levels {LEVELS}", lambda: _decomposed(decompose(run, LEVELS))
     yield f"paths plan {root}", lambda: describe(run)
+    corpus = os.path.join(os.path.dirname(os.path.abspath(root)), "quickstart-corpus")
+    domain_map = os.path.join(corpus, "domains.json")
+    yield "write a corpus found on this machine (code: stdlib sources, prose: pydoc topics, math: generated)", lambda: _corpus(corpus, domain_map)
+    yield (
+        f"paths shard {root} --dataset {DATASET} --input '{corpus}/*.jsonl' --id-field id --router domain --domain-field domain --domain-map {domain_map}",
+        lambda: _shard(run, corpus, domain_map),
+    )
     out = os.path.join(os.path.dirname(os.path.abspath(root)), f"quickstart-{PATH}")
     yield f"paths materialize {root} --path {PATH} --out {out}", lambda: materialize(run, PATH, out)
     yield f"AutoModelForCausalLM.from_pretrained({out!r})", lambda: _load(out)
@@ -69,3 +78,24 @@ def _load(folder: str) -> str:
         f"{type(model).__name__} with {n:,} parameters (path.json says {expected:,}); "
         f"logits for {ids.shape[1]} prompt tokens: {tuple(logits.shape)}"
     )
+
+
+def _corpus(folder: str, domain_map: str) -> str:
+    import json
+
+    from sharding.corpus import write_corpus
+
+    files = write_corpus(folder)
+    with open(domain_map, "w") as f:
+        json.dump(DOMAINS, f)
+    return f"wrote {', '.join(os.path.basename(p) for p in files)} and {os.path.basename(domain_map)} ({DOMAINS}) in {folder}"
+
+
+def _shard(run, corpus: str, domain_map: str) -> dict[str, Any]:
+    from sharding.shard import ShardOptions, shard
+
+    opts = ShardOptions(
+        dataset=DATASET, inputs=[f"{corpus}/*.jsonl"], id_field="id", router="domain",
+        domain_field="domain", domain_map=domain_map,
+    )
+    return shard(run, opts)

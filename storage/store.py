@@ -14,7 +14,7 @@ import threading
 import uuid
 from collections import Counter
 from dataclasses import dataclass
-from typing import IO, Callable, Iterator, TypeVar
+from typing import IO, Any, Callable, Iterator, TypeVar
 
 import fsspec
 
@@ -76,6 +76,7 @@ class Store:
         self.url = url.rstrip("/")
         self.retry = retry
         self.protocol = url.split("://", 1)[0] if "://" in url else "file"
+        self.options: dict[str, Any] = {}  # the storage options the store was opened with
         self.bytes_read: Counter[str] = Counter()  # by key: what ranged readers really fetched
 
     def __repr__(self) -> str:

@@ -27,6 +27,12 @@ def open_store(
 ) -> Store:
     """The store rooted at url. Without `create`, a missing S3 bucket or local folder is an error
     that names it and says how to create it."""
+    store = _open(url, storage_options, create, retry)
+    store.options = dict(storage_options or {})  # for libraries that open the URL themselves (zarr)
+    return store
+
+
+def _open(url: str, storage_options: dict[str, Any] | None, create: bool, retry: RetryPolicy | None) -> Store:
     if not url:
         raise ConfigurationError("empty run URL: pass a folder, s3://bucket/prefix, or set PATHS_RUN")
     options = dict(storage_options or {})

@@ -1,0 +1,213 @@
+"""Raw inputs: fsspec URLs and globs of JSONL (plain, .gz, .zst), Parquet or text files, as records.
+
+A record is one document (or, for `--kind prompts`, one prompt with its answer). Text files are
+one document each (the whole file, its URL as id), the way code corpora are usually cut. Records
+come out in a fixed order: inputs sorted by URL, then file order, so the same inputs always give
+the same documents in the same order.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Literal
+
+import fsspec
+
+from paths.errors import ConfigurationError, DataError, NotFound
+
+Format = Literal["auto", "jsonl", "parquet", "text"]
+OnError = Literal["fail", "skip"]
+_JSONL = (".jsonl", ".json", ".ndjson")
+_COMPRESSED = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd", ".bz2": "bz2", ".xz": "xz"}
+
+
+@dataclass(slots=True)
+class Record:
+    """One document: its text, a stable id, and the fields routers and prompts need."""
+
+    text: str
+    id: str
+    domain: str | None = None
+    answer: str | None = None
+
+
+@dataclass(slots=True)
+class ReadStats:
+    """What reading skipped, by reason."""
+
+    records: int = 0
+    empty: int = 0
+    malformed: int = 0
+    not_utf8: int = 0
+    missing_field: int = 0
+    problems: list[str] = field(default_factory=list)  # the first few skipped, for the report
+
+    def skip(self, kind: str, where: str) -> None:
+        setattr(self, kind, getattr(self, kind) + 1)
+        if len(self.problems) < 5:
+            self.problems.append(where)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("records", "empty", "malformed", "not_utf8", "missing_field")}
+
+
+@dataclass(frozen=True, slots=True)
+class Fields:
+    """Which record fields hold what."""
+
+    text: str = "text"
+    id: str | None = None
+    domain: str | None = None
+    answer: str | None = None
+
+
+def expand(patterns: list[str], storage_options: dict[str, Any] | None = None) -> list[str]:
+    """Every file the URLs and globs name, sorted and without duplicates; a pattern that matches
+    nothing is an error that names it."""
+    if not patterns:
+        raise ConfigurationError("no --input given: pass one or more files, globs or URLs")
+    found: set[str] = set()
+    for pattern in patterns:
+        fs, _, paths = fsspec.get_fs_token_paths(pattern, storage_options=storage_options or {})
+        files = [p for p in paths if not fs.isdir(p)]
+        if not files:
+            raise NotFound(f"input {pattern} matches no file: check the path or glob")
+        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        found.update(p if protocol in ("file", "local") else f"{protocol}://{p}" for p in files)
+    return sorted(found)
+
+
+def detect_format(url: str, fmt: Format) -> tuple[str, str | None]:
+    """(jsonl | parquet | text, compression) of a file from its name unless given."""
+    name = url.rsplit("/", 1)[-1].lower()
+    compression = next((c for ext, c in _COMPRESSED.items() if name.endswith(ext)), None)
+    if compression:
+        name = name.rsplit(".", 1)[0]
+    if fmt != "auto":
+        return fmt, compression
+    if name.endswith(_JSONL):
+        return "jsonl", compression
+    if name.endswith(".parquet"):
+        return "parquet", compression
+    return "text", compression
+
+
+def read_records(
+    url: str,
+    fmt: Format,
+    fields: Fields,
+    on_error: OnError,
+    stats: ReadStats,
+    storage_options: dict[str, Any] | None = None,
+) -> Iterator[Record]:
+    """The usable records of one file; bad ones raise DataError naming file and line, or are
+    skipped and counted with `on_error='skip'`. Empty documents are always skipped and counted."""
+    kind, compression = detect_format(url, fmt)
+    opener = fsspec.open(url, "rb", compression=compression, **(storage_options or {}))
+    if kind == "jsonl":
+        rows = _jsonl_rows(url, opener, on_error, stats)
+    elif kind == "parquet":
+        rows = _parquet_rows(url, opener, fields)
+    else:
+        rows = _text_rows(url, opener, on_error, stats)
+    for where, row in rows:
+        record = _to_record(where, row, fields, on_error, stats)
+        if record is None:
+            continue
+        if not record.text.strip():
+            stats.skip("empty", where)
+            continue
+        stats.records += 1
+        yield record
+
+
+def _bad(kind: str, message: str, on_error: OnError, stats: ReadStats, where: str) -> None:
+    if on_error == "fail":
+        raise DataError(f"{message}: fix the input or pass --on-error skip")
+    stats.skip(kind, where)
+
+
+def _jsonl_rows(url: str, opener, on_error: OnError, stats: ReadStats) -> Iterator[tuple[str, Any]]:
+    with opener as f:
+        lines = f if hasattr(f, "readline") and not _is_zstd(f) else io.BufferedReader(f)
+        for n, raw in enumerate(lines, 1):
+            where = f"{url}:{n}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                _bad("not_utf8", f"{where} is not UTF-8 (byte {exc.start} of the line)", on_error, stats, where)
+                continue
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as exc:
+                _bad("malformed", f"{where} is not valid JSON ({exc.msg} at column {exc.colno})", on_error, stats, where)
+                continue
+            if not isinstance(row, dict):
+                _bad("malformed", f"{where} is JSON but not an object", on_error, stats, where)
+                continue
+            yield where, row
+
+
+def _is_zstd(f) -> bool:
+    return type(f).__module__.startswith("zstandard")  # its reader cannot iterate lines
+
+
+def _parquet_rows(url: str, opener, fields: Fields) -> Iterator[tuple[str, Any]]:
+    import pyarrow.parquet as pq
+
+    wanted = [c for c in (fields.text, fields.id, fields.domain, fields.answer) if c]
+    with opener as f:
+        try:
+            pf = pq.ParquetFile(io.BytesIO(f.read()))
+        except Exception as exc:  # pyarrow raises its own ArrowInvalid family
+            raise DataError(f"{url} is not a readable Parquet file ({exc}): check the file or --format") from None
+        names = pf.schema_arrow.names
+        missing = [c for c in wanted if c not in names]
+        if missing:
+            raise DataError(f"{url} has no column {missing[0]!r} (columns: {', '.join(names[:10])}): pass the right --*-field")
+        n = 0
+        for batch in pf.iter_batches(columns=wanted, batch_size=4096):
+            for row in batch.to_pylist():
+                n += 1
+                yield f"{url}:row {n}", row
+
+
+def _text_rows(url: str, opener, on_error: OnError, stats: ReadStats) -> Iterator[tuple[str, Any]]:
+    with opener as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        _bad("not_utf8", f"{url} is not UTF-8 (byte {exc.start})", on_error, stats, url)
+        return
+    yield url, {"text": text, "id": url, "_text_file": True}
+
+
+def _to_record(where: str, row: dict, fields: Fields, on_error: OnError, stats: ReadStats) -> Record | None:
+    text_field = "text" if row.get("_text_file") else fields.text
+    text = row.get(text_field)
+    if not isinstance(text, str):
+        what = "has no" if text is None else "has a non-string"
+        keys = ", ".join(list(row)[:8])
+        _bad("missing_field", f"{where} {what} text field {text_field!r} (fields: {keys}); pass --text-field", on_error, stats, where)
+        return None
+    doc_id = str(row[fields.id]) if fields.id and row.get(fields.id) is not None else (row.get("id") if row.get("_text_file") else None)
+    domain = None
+    if fields.domain:
+        value = row.get(fields.domain)
+        if value is None:
+            _bad("missing_field", f"{where} has no domain field {fields.domain!r}; pass --domain-field", on_error, stats, where)
+            return None
+        domain = str(value)
+    answer = None
+    if fields.answer:
+        value = row.get(fields.answer)
+        if value is None:
+            _bad("missing_field", f"{where} has no answer field {fields.answer!r}; pass --answer-field", on_error, stats, where)
+            return None
+        answer = str(value)
+    return Record(text=text, id=doc_id or "", domain=domain, answer=answer)

@@ -1,0 +1,184 @@
+"""`paths shard`: documents come back exactly, routing is per document, writing is deterministic
+and resumable, balancing respects the capacity, and the router is saved and reused."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from paths.base import run_tokenizer
+from sharding import shard as shard_mod
+from sharding.dataset import dataset_manifest, read_documents, read_prompts
+from sharding.shard import ShardOptions, shard
+from tests.sharding.conftest import docs, make_run, write_jsonl
+
+
+def all_documents(run, dataset: str) -> dict[str, list[np.ndarray]]:
+    manifest = dataset_manifest(run, dataset)
+    return {p: read_documents(run, dataset, p) + read_documents(run, dataset, p, "heldout") for p in manifest["paths"]}
+
+
+def test_tokens_decode_back_to_each_document(run2, corpus):
+    manifest = shard(run2, ShardOptions(dataset="d", inputs=corpus, id_field="id", holdout=0.1))
+    tok, _ = run_tokenizer(run2)
+    texts = [json.loads(line)["text"] for f in corpus for line in open(f, encoding="utf-8")]
+    decoded = []
+    for path_docs in all_documents(run2, "d").values():
+        for ids in path_docs:
+            assert ids[-1] == tok.eos_token_id and ids.dtype == np.uint32
+            decoded.append(tok.decode(ids[:-1].tolist()))
+    assert sorted(decoded) == sorted(texts)  # every document exactly once, text unchanged
+    assert manifest["documents"] == len(texts)
+    assert sum(c["heldout_docs"] for c in manifest["paths"].values()) > 0
+
+
+def test_same_inputs_give_identical_bytes(run2, corpus):
+    opts = ShardOptions(dataset="d", inputs=corpus, id_field="id", router="moe", chunk_tokens=256, shard_tokens=1024)
+    first = shard(run2, opts)
+    run2.store.delete_prefix("data/d")
+    run2.store.delete_prefix("router/d")
+    second = shard(run2, opts)
+    assert first["files"] == second["files"]  # every zarr object: same size, same sha256
+    assert first["paths"] == second["paths"]
+
+
+def test_resume_after_a_crash_continues_from_the_last_finished_input(run2, corpus, monkeypatch):
+    opts = ShardOptions(dataset="d", inputs=corpus, id_field="id")
+    reference = shard(run2, opts)
+    run2.store.delete_prefix("data/d")
+    real, staged = shard_mod.stage_file, []
+
+    def crash_on_second(run, o, router, files, index, *args):
+        if index == 1:
+            raise KeyboardInterrupt("killed")
+        staged.append(index)
+        return real(run, o, router, files, index, *args)
+
+    monkeypatch.setattr(shard_mod, "stage_file", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        shard(run2, opts)
+    assert not run2.store.exists("data/d/manifest.json")  # nothing half-written is visible
+    assert [o.key for o in run2.store.list("data/d") if o.key.endswith(".zarr/zarr.json")] == []
+
+    def count(run, o, router, files, index, *args):
+        staged.append(index)
+        return real(run, o, router, files, index, *args)
+
+    monkeypatch.setattr(shard_mod, "stage_file", count)
+    resumed = shard(run2, opts)
+    assert staged == [0, 1, 2]  # file 0 was not read again
+    assert resumed["files"] == reference["files"]
+    assert not run2.store.list("data/d/_staging")
+
+
+def test_domain_router_sends_every_document_of_a_domain_to_its_path(run2, corpus, tmp_path):
+    mapping = {"code": "p00-01", "math": "p02-03", "prose": "p03-00"}
+    (tmp_path / "map.json").write_text(json.dumps(mapping))
+    manifest = shard(run2, ShardOptions(dataset="d", inputs=corpus, id_field="id", router="domain", domain_field="domain", domain_map=str(tmp_path / "map.json")))
+    tok, _ = run_tokenizer(run2)
+    domain_of = {d["text"]: d["domain"] for d in docs(360)}
+    for path, path_docs in all_documents(run2, "d").items():
+        domains = {domain_of[tok.decode(ids[:-1].tolist())] for ids in path_docs}
+        assert domains == ({d for d, p in mapping.items() if p == path}), path
+    assert manifest["router"]["balanced"] is False
+
+
+def test_domain_router_without_a_map_takes_one_expert_per_domain(tmp_path, tokenizer_dir, corpus):
+    run = make_run(str(tmp_path / "run1"), tokenizer_dir, 1)
+    manifest = shard(run, ShardOptions(dataset="d", inputs=corpus, router="domain", domain_field="domain"))
+    counts = {p: c["train_docs"] + c["heldout_docs"] for p, c in manifest["paths"].items()}
+    assert counts == {"p00": 120, "p01": 120, "p02": 120, "p03": 0}  # code, math, prose sorted
+    router = json.loads(run.store.read("router/d/router.json"))
+    assert router["options"]["domain_map"] == {"code": "p00", "math": "p01", "prose": "p02"}
+
+
+@pytest.mark.parametrize("router", ["hash", "moe", "kmeans"])
+def test_balanced_assignment_respects_capacity(run2, corpus, router):
+    manifest = shard(run2, ShardOptions(dataset="d", inputs=corpus, router=router, slack=0.05))
+    cap = manifest["capacity"]
+    assert cap == int(np.ceil(1.05 * 360 / 16))
+    counts = [c["train_docs"] + c["heldout_docs"] for c in manifest["paths"].values()]
+    assert max(counts) <= cap and sum(counts) == 360
+
+
+def test_balance_moves_the_least_decided_documents():
+    from sharding.balance import assign
+
+    prefs = np.array([[0, 1]] * 6, dtype=np.int32)
+    scores = np.array([[0.0, -s] for s in (5, 4, 3, 2, 1, 0.5)], dtype=np.float32)  # margins shrink
+    out = assign(prefs, scores, 2, slack=0.0)
+    assert out.tolist() == [0, 0, 0, 1, 1, 1]
+    assert assign(prefs, scores, 2, slack=None).tolist() == [0] * 6
+
+
+def test_saved_router_routes_new_documents_the_same_way(run2, corpus, tmp_path):
+    import io
+
+    from sharding.route import route
+    from sharding.inputs import Fields
+
+    shard(run2, ShardOptions(dataset="d", inputs=corpus, id_field="id", router="kmeans", balance=False, holdout=0.0))
+    tok, _ = run_tokenizer(run2)
+    where = {}
+    for path, path_docs in all_documents(run2, "d").items():
+        for ids in path_docs:
+            where[tok.decode(ids[:-1].tolist())] = path
+    out = io.StringIO()
+    route(run2, "d", corpus, out, fields=Fields(id="id"))
+    routed = {json.loads(line)["id"]: json.loads(line)["path"] for line in out.getvalue().splitlines()}
+    expected = {d["id"]: where[d["text"]] for d in docs(360)}
+    assert routed == expected
+
+
+def test_kmeans_recovers_separated_clusters():
+    import torch
+
+    from sharding.kmeans import level_distances, product_kmeans
+
+    g = torch.Generator().manual_seed(0)
+    centres = torch.tensor([[10.0, 0, 0, 0], [-10, 0, 0, 0], [0, 0, 10, 0], [0, 0, -10, 0]])
+    labels = torch.arange(400) % 4
+    x = centres[labels] + 0.1 * torch.randn(400, 4, generator=g)
+    c = product_kmeans(x, levels=1, k=4, seed=0)
+    found = level_distances(x, c)[:, 0].argmin(1)
+    # the same partition up to renaming the clusters
+    pairs = {(int(a), int(b)) for a, b in zip(labels, found)}
+    assert len(pairs) == 4
+
+
+def test_prompts_keep_prompt_and_answer_per_path(run2, tmp_path):
+    rows = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(50)]
+    f = write_jsonl(str(tmp_path / "p.jsonl"), rows)
+    manifest = shard(run2, ShardOptions(dataset="rl", inputs=[f], kind="prompts", text_field="prompt", holdout=0.0))
+    got = [r for p in manifest["paths"] for r in read_prompts(run2, "rl", p)]
+    assert sorted((r["prompt"], r["answer"]) for r in got) == sorted((r["prompt"], r["answer"]) for r in rows)
+    tok, _ = run_tokenizer(run2)
+    assert all(tok.decode(r["ids"]) == r["prompt"] for r in got)  # prompts carry no EOS
+
+
+def test_parquet_text_gzip_and_zstd_inputs(run2, tmp_path):
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    rows = docs(30)
+    pq.write_table(pa.Table.from_pylist(rows[:10]), str(tmp_path / "a.parquet"))
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows[10:20])
+    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress("".join(json.dumps(r) + "\n" for r in rows[20:29]).encode()))
+    (tmp_path / "d.txt").write_text(rows[29]["text"], encoding="utf-8")
+    manifest = shard(run2, ShardOptions(dataset="mix", inputs=[str(tmp_path / x) for x in ("a.parquet", "b.jsonl.gz", "c.jsonl.zst", "d.txt")]))
+    assert [i["docs"] for i in manifest["inputs"]] == [10, 10, 9, 1]
+    tok, _ = run_tokenizer(run2)
+    decoded = sorted(tok.decode(ids[:-1].tolist()) for p in all_documents(run2, "mix").values() for ids in p)
+    assert decoded == sorted(r["text"] for r in rows)
+
+
+def test_limit_stops_after_n_documents(run2, corpus):
+    manifest = shard(run2, ShardOptions(dataset="d", inputs=corpus, limit=150))
+    assert manifest["documents"] == 150
+    assert [i["docs"] for i in manifest["inputs"]] == [120, 30, 0]
