@@ -30,9 +30,19 @@ test: install
 quickstart: install
 	$(VENV)/bin/paths quickstart
 
-bench: install
+# MosaicML streaming (a peer in bench/shard.py) pins transformers<5 and numpy<2.2: installed
+# without its dependencies, plus the ones its reader and writer import.
+# botocore stays where s3fs's aiobotocore wants it (boto3 follows it).
+$(VENV)/.bench: $(VENV)/.installed
+	@$(PY) -m pip freeze | grep -i '^botocore==' | cat - $(VENV)/constraints.txt > $(VENV)/constraints-bench.txt
+	$(PY) -m pip install -q -c $(VENV)/constraints-bench.txt --no-deps mosaicml-streaming==0.13.0
+	$(PY) -m pip install -q -c $(VENV)/constraints-bench.txt xxhash zstd python-snappy Brotli catalogue boto3 pillow
+	@touch $@
+
+bench: install $(VENV)/.bench
 	$(PY) bench/storage.py
 	$(PY) bench/materialize.py
+	$(PY) bench/shard.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

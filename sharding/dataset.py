@@ -50,7 +50,7 @@ def open_group(run: Run, dataset: str, path_id: str, manifest: dict[str, Any]):
     """The path's zarr group (read-only), after checking its files' sizes against the manifest."""
     import zarr
 
-    from storage.store import LocalStore
+    from sharding.zarr_store import open_zarr_store
 
     key = run.shard(dataset, path_id)
     listed = {n: e for n, e in manifest["files"].items() if n.startswith(f"{path_id}.zarr/")}
@@ -61,20 +61,7 @@ def open_group(run: Run, dataset: str, path_id: str, manifest: dict[str, Any]):
         if size != e["bytes"]:
             what = "is missing" if size is None else f"has {size} bytes, the manifest says {e['bytes']}"
             raise IntegrityError(f"{run.store.url_of(prefix + name)} {what}: re-run `paths shard ... --overwrite` or restore it")
-    if isinstance(run.store, LocalStore):
-        store = zarr.storage.LocalStore(run.store.path(key), read_only=True)
-    else:
-        store = zarr.storage.FsspecStore.from_url(run.store.url_of(key), storage_options=_zarr_options(run), read_only=True)
-    return zarr.open_group(store, mode="r")
-
-
-def _zarr_options(run: Run) -> dict[str, Any]:
-    from storage.s3 import endpoint_from_env
-
-    options = dict(run.store.options)
-    if run.store.protocol in ("s3", "s3a") and "endpoint_url" not in options and endpoint_from_env():
-        options["endpoint_url"] = endpoint_from_env()
-    return options
+    return zarr.open_group(open_zarr_store(run, key, read_only=True), mode="r")
 
 
 def read_documents(run: Run, dataset: str, path_id: str, split: str = "train") -> list[np.ndarray]:

@@ -31,13 +31,15 @@ from paths.errors import ConfigurationError, IntegrityError, NotFound
 from sharding import balance
 from sharding.inputs import Fields, Format, OnError, ReadStats, Record, detect_format, expand, read_records
 from sharding.routers import Doc, Router, load_router, make_router, save_router, stable_hash
-from sharding.writer import FIELDS_DOCUMENTS, FIELDS_PROMPTS, PathBuffer, group_checksum, local_files, write_group
+from sharding.writer import FIELDS_DOCUMENTS, FIELDS_PROMPTS, MemoryBudget, PathBuffer, group_checksum, write_groups
+from sharding.zarr_store import HashingStore, open_zarr_store
 from storage.layout import Run
 from storage.manifest import ArtifactWriter, read_manifest
 
 FORMAT_VERSION = 1
 STAGING = "_staging"
 TOP_K = 8
+MEMORY_BUDGET = 1 << 30  # bytes of path data held in memory before spilling to local files
 Kind = Literal["documents", "prompts"]
 Progress = Callable[[str, int], None]  # (event, amount): "docs" read, "file" staged, "path" written
 
@@ -342,49 +344,59 @@ def _part_arrays(docs: list[Doc], opts: ShardOptions, router: Router, run: Run) 
 
 
 # -- consolidation ---------------------------------------------------------------------------------
+def _local_part(run: Run, key: str, folder: str, i: int) -> str:
+    """A part as a local file: the object itself on a local run, else a download."""
+    from storage.store import LocalStore
+
+    if isinstance(run.store, LocalStore):
+        return run.store.path(key)
+    local = os.path.join(folder, f"part-{i:05d}.safetensors")
+    with open(local, "wb") as f:
+        f.write(run.store.read(key))
+    return local
+
+
 def _consolidate(run: Run, opts: ShardOptions, router: Router, keys: list[str], fingerprint: dict, path_ids: list[str], progress: Progress) -> dict[str, Any]:
-    from safetensors.numpy import load
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
 
     fields = FIELDS_PROMPTS if opts.kind == "prompts" else FIELDS_DOCUMENTS
     tmp = tempfile.mkdtemp(prefix="paths-shard-")
     try:
-        parts_dir = os.path.join(tmp, "parts")
-        os.makedirs(parts_dir)
         locals_, prefs, scores, inputs = [], [], [], []
-        for i, key in enumerate(keys):  # fetch each part once; keep only preferences in memory
-            local = os.path.join(parts_dir, f"{i:05d}")
-            with open(local, "wb") as f:
-                f.write(run.store.read(key))
+        for i, key in enumerate(keys):  # first pass: only the preferences, for the assignment
+            local = _local_part(run, key, tmp, i)
             locals_.append(local)
-            head = open(local, "rb").read(8)
-            meta = _part_meta(open(local, "rb").read(8 + int.from_bytes(head, "little")))
-            part = load(open(local, "rb").read())
-            prefs.append(part["prefs"])
-            scores.append(part["pref_scores"])
-            inputs.append({"url": meta["input"], "docs": int(meta["docs"]), "tokens": int(part["tokens_len"].sum()), "skipped": json.loads(meta["stats"]), "seconds": float(meta["seconds"])})
+            with safe_open(local, framework="numpy") as part:
+                meta = part.metadata()
+                prefs.append(part.get_tensor("prefs"))
+                scores.append(part.get_tensor("pref_scores"))
+                tokens = int(part.get_tensor("tokens_len").sum())
+            inputs.append({"url": meta["input"], "docs": int(meta["docs"]), "tokens": tokens, "skipped": json.loads(meta["stats"]), "seconds": float(meta["seconds"])})
         all_prefs = np.concatenate(prefs) if prefs else np.zeros((0, 1), np.int32)
         all_scores = np.concatenate(scores) if scores else np.zeros((0, 1), np.float32)
         assignment = balance.assign(all_prefs, all_scores, len(path_ids), opts.slack if opts.balanced else None)
-        buffers = {p: PathBuffer(os.path.join(tmp, p), fields) for p in path_ids}
-        for b in buffers.values():
-            os.makedirs(b.folder)
+        budget = MemoryBudget(MEMORY_BUDGET)
+        buffers = {p: PathBuffer(os.path.join(tmp, p), fields, budget) for p in path_ids}
         start = 0
         for local in locals_:
-            part = load(open(local, "rb").read())
+            part = load_file(local)
             n = len(part["tokens_len"])
             _scatter(part, assignment[start : start + n], buffers, path_ids, fields)
             start += n
         writer = ArtifactWriter(run.store, run.dataset(opts.dataset))
-        per_path = {}
-        for pid, buf in buffers.items():
-            buf.close()
-            out = os.path.join(tmp, "zarr", f"{pid}.zarr")
-            attrs = {"dataset": opts.dataset, "path": pid, "kind": opts.kind, "format_version": FORMAT_VERSION}
-            counts = write_group(buf, out, opts.chunk_tokens, opts.shard_tokens, attrs)
-            for rel in local_files(out):
-                writer.upload(f"{pid}.zarr/{rel}", os.path.join(out, rel))
-            per_path[pid] = {**counts, "checksum": group_checksum(writer.files, f"{pid}.zarr/")}
-            progress("path", 1)
+        jobs, sinks = [], {}
+        for p in path_ids:
+            buffers[p].close()
+            run.store.delete_prefix(run.shard(opts.dataset, p))  # what a killed attempt left
+            sinks[p] = {}
+            store = HashingStore(open_zarr_store(run, run.shard(opts.dataset, p), read_only=False), sinks[p])
+            jobs.append((buffers[p], store, {"dataset": opts.dataset, "path": p, "kind": opts.kind, "format_version": FORMAT_VERSION}))
+        counts = dict(zip(path_ids, write_groups(jobs, opts.chunk_tokens, opts.shard_tokens)))
+        for p in path_ids:
+            writer.files.update({f"{p}.zarr/{k}": e for k, e in sorted(sinks[p].items())})
+        progress("path", len(path_ids))
+        per_path = {p: {**counts[p], "checksum": group_checksum(writer.files, f"{p}.zarr/")} for p in path_ids}
         docs = sum(c["train_docs"] + c["heldout_docs"] for c in per_path.values())
         manifest = writer.commit(
             kind="dataset", format_version=FORMAT_VERSION, dataset=opts.dataset, data_kind=opts.kind,

@@ -32,6 +32,17 @@ def sha256_of(store: Store, key: str) -> str:
     return h.hexdigest()
 
 
+def upload_file(store: Store, key: str, local_path: str) -> dict[str, Any]:
+    """Copy a local file to a key; its manifest entry {"bytes", "sha256"}."""
+    h, n = hashlib.sha256(), 0
+    with open(local_path, "rb") as f:
+        while block := f.read(8 << 20):
+            h.update(block)
+            n += len(block)
+    store.upload(key, local_path)
+    return {"bytes": n, "sha256": h.hexdigest()}
+
+
 def _join(prefix: str, name: str) -> str:
     return f"{prefix.rstrip('/')}/{name}" if prefix else name
 
@@ -55,13 +66,7 @@ class ArtifactWriter:
 
     def upload(self, name: str, local_path: str) -> None:
         """Copy a local file in and record its size and hash."""
-        h, n = hashlib.sha256(), 0
-        with open(local_path, "rb") as f:
-            while block := f.read(8 << 20):
-                h.update(block)
-                n += len(block)
-        self.store.upload(_join(self.prefix, name), local_path)
-        self.files[name] = {"bytes": n, "sha256": h.hexdigest()}
+        self.files[name] = upload_file(self.store, _join(self.prefix, name), local_path)
 
     def commit(self, **extra: Any) -> dict[str, Any]:
         """Write manifest.json; until then, readers treat the artifact as absent."""

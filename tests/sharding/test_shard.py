@@ -182,3 +182,12 @@ def test_limit_stops_after_n_documents(run2, corpus):
     manifest = shard(run2, ShardOptions(dataset="d", inputs=corpus, limit=150))
     assert manifest["documents"] == 150
     assert [i["docs"] for i in manifest["inputs"]] == [120, 30, 0]
+
+
+def test_spilling_to_disk_gives_the_same_bytes(run2, corpus, monkeypatch):
+    opts = ShardOptions(dataset="d", inputs=corpus, id_field="id", chunk_tokens=256, shard_tokens=1024)
+    in_memory = shard(run2, opts)
+    run2.store.delete_prefix("data/d")
+    monkeypatch.setattr(shard_mod, "MEMORY_BUDGET", 1)  # spill after every append
+    spilled = shard(run2, opts)
+    assert spilled["files"] == in_memory["files"]
