@@ -148,3 +148,19 @@ def _skipped(inputs: list[dict[str, Any]]) -> dict[str, int]:
             if k != "records":
                 out[k] = out.get(k, 0) + v
     return out
+
+
+def render_status(rows: list[dict[str, Any]]) -> str:
+    """`paths status` as a table and a one-line count per state."""
+    def cell(v: Any, fmt: str = "{}") -> str:
+        return "" if v is None else fmt.format(v)
+
+    body = table(
+        ("path", "state", "worker", "gen", "lease left", "committed", "step", "tokens", "loss", "final"),
+        [(r["path"], r["state"], cell(r["worker"]), cell(r["generation"]), cell(r["lease_left_s"], "{:.0f}s"), cell(r["committed_step"]),
+          cell(r["step"]), cell(r["tokens"]), cell(r["loss"], "{:.4f}"), "yes" if r["final"] else "") for r in rows],
+    )
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["state"]] = counts.get(r["state"], 0) + 1
+    return body + "\n" + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))

@@ -50,6 +50,11 @@ class FormatVersionError(PathsError):
     """An artifact was written by a newer or unknown format version."""
 
 
+class LeaseLost(PathsError):
+    """Another worker holds this path now (our lease expired and was taken over, or an admin
+    released it): stop and write nothing more."""
+
+
 class NothingToClaim(PathsError):
     """No path is left to claim."""
 

@@ -17,6 +17,8 @@ PRESET = "tiny-mixtral"
 LEVELS = 2
 PATH = "p01-02"
 DATASET = "corpus"
+LM_DATASET = "corpus-moe"
+TRAIN_STEPS = 4
 DOMAINS = {"code": "p00-00", "prose": "p01-02", "math": "p03-03"}
 
 Stage = tuple[str, Callable[[], Any]]
@@ -42,6 +44,9 @@ def stages(root: str = DEFAULT_ROOT) -> Iterator[Stage]:
         f"paths shard {root} --dataset {DATASET} --input '{corpus}/*.jsonl' --id-field id --router domain --domain-field domain --domain-map {domain_map}",
         lambda: _shard(run, corpus, domain_map),
     )
+    yield f"paths shard {root} --dataset {LM_DATASET} --input '{corpus}/*.jsonl' --id-field id --router moe", lambda: _shard_lm(run, corpus)
+    yield f"while paths claim {root} --ttl 60; do paths train --dataset {LM_DATASET} --steps {TRAIN_STEPS}; done", lambda: _train_all(run)
+    yield f"paths status {root}", lambda: _status(run)
     out = os.path.join(os.path.dirname(os.path.abspath(root)), f"quickstart-{PATH}")
     yield f"paths materialize {root} --path {PATH} --out {out}", lambda: materialize(run, PATH, out)
     yield f"AutoModelForCausalLM.from_pretrained({out!r})", lambda: _load(out)
@@ -99,3 +104,37 @@ def _shard(run, corpus: str, domain_map: str) -> dict[str, Any]:
         domain_field="domain", domain_map=domain_map,
     )
     return shard(run, opts)
+
+
+def _shard_lm(run, corpus: str) -> dict[str, Any]:
+    from sharding.shard import ShardOptions, shard
+
+    return shard(run, ShardOptions(dataset=LM_DATASET, inputs=[f"{corpus}/*.jsonl"], id_field="id", router="moe"))
+
+
+def _train_all(run) -> str:
+    """The worker loop, in this process: claim until exit 3, training each path a few steps."""
+    from paths.claims import claim
+    from paths.decompose import decomposed_paths
+    from paths.errors import NothingToClaim
+    from paths.train import train
+    from paths.train_config import load_config
+
+    _, ids = decomposed_paths(run)
+    cfg = load_config(sets=["seq_len=64", "batch_size=4", "warmup_steps=1"], steps=TRAIN_STEPS, checkpoint_every=2)
+    lines = []
+    while True:
+        try:
+            lease = claim(run, ids, ttl=60, worker="quickstart")
+        except NothingToClaim:
+            break
+        out = train(run, lease.path, "lm", LM_DATASET, cfg, lease, show_progress=False)
+        lines.append(f"{out['path']}: {out['steps']} steps, {out['tokens']:,} tokens, loss {out['final_loss']:.3f}" + (f" (resumed from step {out['resumed_from']})" if out["resumed_from"] else ""))
+    return "\n".join(lines + ["nothing left to claim (exit 3)"]) if lines else "every path is already trained (nothing to claim: exit 3)"
+
+
+def _status(run) -> str:
+    from cli.render import render_status
+    from paths.status import status
+
+    return render_status(status(run))

@@ -228,11 +228,12 @@ class PathDataset(torch.utils.data.IterableDataset):
 
 
 def _runs(positions: Iterator[tuple[int, int]], block: int) -> Iterator[tuple[int, list[tuple[int, int]]]]:
-    """Group consecutive positions that fall in the same block: (block, [(position, window)])."""
+    """Group consecutive positions that fall in the same block: (block, [(position, window)]),
+    at most `block` of them (a small dataset's one block recurs every epoch, forever)."""
     current, items = None, []
     for q, w in positions:
         b = w // block
-        if b != current and items:
+        if items and (b != current or len(items) >= block):
             yield current, items
             items = []
         current = b

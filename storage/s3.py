@@ -80,6 +80,7 @@ class S3Store(Store):
 
     # -- conditional writes ---------------------------------------------------------------------
     def _put(self, key: str, data: bytes, **condition: str) -> str:
+        self._check_writable(key)
         try:
             out = self.fs.call_s3(
                 "put_object", Bucket=self.bucket, Key=self._key(key), Body=data, **condition

@@ -77,11 +77,16 @@ class Store:
         self.retry = retry
         self.protocol = url.split("://", 1)[0] if "://" in url else "file"
         self.options: dict[str, Any] = {}  # the storage options the store was opened with
+        self.read_only = False  # set on processes that must not write (ranks other than 0)
         self.bytes_read: Counter[str] = Counter()  # by key: what ranged readers really fetched
 
     def __repr__(self) -> str:
         # Only the URL: storage options may hold credentials.
         return f"{type(self).__name__}({self.url!r})"
+
+    def _check_writable(self, key: str) -> None:
+        if self.read_only:
+            raise StorageError(f"refusing to write {self.url_of(key)}: this process opened the run read-only (only rank 0 writes to the run)")
 
     # -- addressing -----------------------------------------------------------------------------
     def path(self, key: str = "") -> str:
@@ -181,14 +186,17 @@ class Store:
     # -- writes ---------------------------------------------------------------------------------
     def write(self, key: str, data: bytes) -> None:
         """Write the object atomically: readers see the old object or the new one, never a part."""
+        self._check_writable(key)
         self._call(key, lambda: self.fs.pipe_file(self.path(key), data))
 
     def upload(self, key: str, local_path: str) -> None:
         """Copy a local file to key atomically (multipart uploads appear only when complete)."""
+        self._check_writable(key)
         self._call(key, lambda: self.fs.put_file(local_path, self.path(key)))
 
     def delete(self, key: str) -> None:
         """Remove one object; removing a missing one is not an error (as on S3)."""
+        self._check_writable(key)
 
         def go() -> None:
             try:
@@ -200,6 +208,7 @@ class Store:
 
     def delete_prefix(self, prefix: str) -> int:
         """Remove every object under prefix; returns how many there were."""
+        self._check_writable(prefix)
         objects = self.list(prefix)
         for o in objects:
             self.delete(o.key)
@@ -218,10 +227,12 @@ class Store:
 
     def put_if_absent(self, key: str, data: bytes) -> str:
         """Create the object only if nothing is there; returns its etag, else PreconditionFailed."""
+        self._check_writable(key)
         raise self._no_conditional()
 
     def put_if_match(self, key: str, data: bytes, etag: str) -> str:
         """Replace the object only if its etag is still `etag`; returns the new etag."""
+        self._check_writable(key)
         raise self._no_conditional()
 
     def _conditional(self, key: str, data: bytes, attempt: Callable[[], str]) -> str:
@@ -279,6 +290,7 @@ class LocalStore(Store):
 
     def write(self, key: str, data: bytes) -> None:
         """Write to a temp file in the same folder, fsync, then rename over the target."""
+        self._check_writable(key)
         path = self.path(key)
 
         def go() -> None:
@@ -288,6 +300,7 @@ class LocalStore(Store):
 
     def upload(self, key: str, local_path: str) -> None:
         """Copy through a temp file in the target folder, then rename."""
+        self._check_writable(key)
         import shutil
 
         path = self.path(key)
@@ -302,6 +315,7 @@ class LocalStore(Store):
 
     def delete(self, key: str) -> None:
         """Remove under the key's lock so a concurrent compare-and-swap cannot resurrect it."""
+        self._check_writable(key)
         path = self.path(key)
 
         def go() -> None:
@@ -320,6 +334,7 @@ class LocalStore(Store):
 
     def put_if_absent(self, key: str, data: bytes) -> str:
         """Write a complete temp file, then link(2) it to the key: fails if the key exists."""
+        self._check_writable(key)
         path = self.path(key)
 
         def go() -> str:
@@ -336,6 +351,7 @@ class LocalStore(Store):
 
     def put_if_match(self, key: str, data: bytes, etag: str) -> str:
         """Under the key's lock: compare the current content hash, then rename over it."""
+        self._check_writable(key)
         path = self.path(key)
 
         def go() -> str:
@@ -388,6 +404,7 @@ class MemoryStore(Store):
 
     def put_if_absent(self, key: str, data: bytes) -> str:
         """Create under the lock, or PreconditionFailed."""
+        self._check_writable(key)
         with self._lock:
             if self.fs.exists(self.path(key)):
                 raise PreconditionFailed(f"{self.url_of(key)} already exists")
@@ -396,6 +413,7 @@ class MemoryStore(Store):
 
     def put_if_match(self, key: str, data: bytes, etag: str) -> str:
         """Compare and swap under the lock."""
+        self._check_writable(key)
         with self._lock:
             try:
                 current = content_etag(self.read(key))
@@ -408,5 +426,6 @@ class MemoryStore(Store):
 
     def delete(self, key: str) -> None:
         """Remove under the lock."""
+        self._check_writable(key)
         with self._lock:
             super().delete(key)

@@ -16,7 +16,13 @@ from paths.decompose import decompose, materialize, run_plan
 from paths.families import get_family
 from storage.layout import open_run
 
-torch.set_grad_enabled(False)
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    """Forward passes only in this module (and no global switch left behind for other tests)."""
+    with torch.no_grad():
+        yield
 
 
 def moe_of(run):

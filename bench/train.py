@@ -1,0 +1,200 @@
+"""`paths train --mode lm` against Hugging Face `Trainer`, checkpoint cost, and claim latency.
+
+    .venv/bin/python bench/train.py [--steps 30] [--seq-len 256] [--batch 8] [--work bench/out/train]
+
+1. Tokens/s: ours (`paths.train.train`, with a claim and its heartbeat) and HF `Trainer` train the
+   same dense path (small-mixtral preset, ~3.4M parameters) for the same steps, batch, sequence
+   length and windows, with AdamW, warmup + cosine, clipping 1.0, fp32 on CPU, no evaluation and
+   no checkpoints during the timed part. Printed: tokens/s of each and the ratio (goal >= 1).
+2. Checkpoint: seconds and bytes of one committed checkpoint (model + AdamW state + state.json).
+3. Claims: 16 processes claim paths of a 256-path plan on SeaweedFS until none is left; p50 and
+   p99 of one successful `claim()` (reads + a conditional PUT).
+Results are appended to bench/out/train.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+PATH = "p01-02"
+
+
+def build(work: str, steps: int):
+    from paths.base import init_run
+    from paths.decompose import decompose
+    from sharding.corpus import write_corpus
+    from sharding.shard import ShardOptions, shard
+    from storage.layout import open_run
+
+    url = os.path.join(work, "run")
+    init_run(url, preset="small-mixtral", seed=0)
+    run = open_run(url)
+    decompose(run, 2)
+    files = write_corpus(os.path.join(work, "corpus"))
+    mapping = os.path.join(work, "map.json")
+    json.dump({"code": PATH, "math": PATH, "prose": PATH}, open(mapping, "w"))
+    shard(run, ShardOptions(dataset="lm", inputs=files, id_field="id", router="domain", domain_field="domain", domain_map=mapping, holdout=0.0))
+    return run
+
+
+def ours(run, cfg) -> tuple[float, dict]:
+    from paths import checkpoint
+    from paths.claims import claim
+    from paths.train import train
+
+    saved = {}
+    real = checkpoint.save
+
+    def timed_save(*a, **k):
+        out = real(*a, **k)
+        saved.update(out)
+        return out
+
+    checkpoint.save = timed_save
+    try:
+        lease = claim(run, [PATH], ttl=600, worker="bench")
+        t = time.perf_counter()
+        summary = train(run, PATH, "lm", "lm", cfg, lease, show_progress=False)
+        return time.perf_counter() - t, {**summary, "checkpoint": saved}
+    finally:
+        checkpoint.save = real
+
+
+def hf_trainer(run, cfg, work: str) -> float:
+    """The same windows, model and schedule through transformers.Trainer."""
+    import torch
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+    from transformers.utils import logging as hf_logging
+
+    from paths.decompose import materialize
+    from sharding.dataset import PathDataset
+
+    hf_logging.set_verbosity_error()
+    folder = os.path.join(work, "hf-init")
+    shutil.rmtree(folder, ignore_errors=True)
+    materialize(run, PATH, folder)
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    windows = PathDataset(run, "lm", PATH, cfg.seq_len, seed=cfg.seed, batch_size=cfg.batch_size, epochs=None)
+    n = cfg.steps * cfg.batch_size * cfg.grad_accum
+    rows = []
+    for sample in windows:
+        t = sample["tokens"]
+        labels = t[1:].clone()
+        labels[int(sample["valid"]) - 1 :] = -100
+        rows.append({"input_ids": t[:-1], "labels": labels})
+        if len(rows) == n:
+            break
+
+    class Windows(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(rows)
+
+        def __getitem__(self, i):
+            return rows[i]
+
+    args = TrainingArguments(
+        output_dir=os.path.join(work, "hf-out"), per_device_train_batch_size=cfg.batch_size, gradient_accumulation_steps=cfg.grad_accum,
+        max_steps=cfg.steps, learning_rate=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.beta1, adam_beta2=cfg.beta2,
+        adam_epsilon=cfg.eps, max_grad_norm=cfg.max_grad_norm, warmup_steps=cfg.warmup_steps, lr_scheduler_type="cosine",
+        logging_steps=10, save_strategy="no", report_to=[], use_cpu=True, dataloader_num_workers=0, seed=cfg.seed,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=Windows())
+    t = time.perf_counter()
+    trainer.train()
+    return time.perf_counter() - t
+
+
+def _claimer(url: str, options: dict, ids: list[str], barrier, results) -> None:
+    from paths.claims import claim
+    from paths.errors import NothingToClaim
+    from storage.layout import open_run
+
+    run = open_run(url, options)
+    barrier.wait()
+    times = []
+    while True:
+        t = time.perf_counter()
+        try:
+            claim(run, ids, ttl=600)
+        except NothingToClaim:
+            break
+        times.append(time.perf_counter() - t)
+    results.put(times)
+
+
+def claims_on_seaweed(work: str, claimers: int = 16) -> dict:
+    from paths.base import init_run
+    from paths.decompose import decompose
+    from storage.layout import open_run
+    from storage.seaweed import start_seaweed
+
+    folder = os.path.join(work, "seaweed")
+    os.makedirs(folder, exist_ok=True)
+    with start_seaweed(folder) as server:
+        url = "s3://bench/claims"
+        init_run(url, preset="tiny-mixtral", storage_options=server.storage_options)
+        run = open_run(url, server.storage_options)
+        out = decompose(run, 4)  # 4^4 = 256 paths
+        ctx = mp.get_context("spawn")
+        barrier, results = ctx.Barrier(claimers), ctx.Queue()
+        procs = [ctx.Process(target=_claimer, args=(url, server.storage_options, out["paths"], barrier, results)) for _ in range(claimers)]
+        for p in procs:
+            p.start()
+        times = sorted(t for _ in procs for t in results.get(timeout=600))
+        for p in procs:
+            p.join()
+    return {"claims": len(times), "paths": len(out["paths"]), "claim_p50_ms": 1000 * times[len(times) // 2], "claim_p99_ms": 1000 * times[min(len(times) - 1, int(0.99 * len(times)))]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", default=os.path.join(ROOT, "bench", "out", "train"))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    args = parser.parse_args()
+    from paths.train_config import load_config
+
+    shutil.rmtree(args.work, ignore_errors=True)
+    os.makedirs(args.work)
+    home = tempfile.mkdtemp()
+    os.environ["PATHS_HOME"] = home
+    run = build(args.work, args.steps)
+    cfg = load_config(sets=[f"seq_len={args.seq_len}", f"batch_size={args.batch}", "warmup_steps=3"], steps=args.steps, checkpoint_every=args.steps // 2)
+    hf_s = hf_trainer(run, cfg, args.work)
+    ours_s, summary = ours(run, cfg)
+    tokens = args.steps * args.batch * args.seq_len
+    ck = summary["checkpoint"]
+    result = {
+        "steps": args.steps, "seq_len": args.seq_len, "batch": args.batch, "tokens": tokens, "cpus": os.cpu_count(),
+        "ours_tok_s": tokens / ours_s, "hf_trainer_tok_s": tokens / hf_s, "ratio": hf_s / ours_s,
+        "checkpoint_s": ck.get("seconds"), "checkpoint_bytes": ck.get("bytes"),
+        "ours_loop_tok_s": json.loads(run.store.read(f"work/{PATH}/metrics.jsonl").decode().splitlines()[-1])["tokens_per_s"],
+    }
+    result["loop_ratio"] = result["ours_loop_tok_s"] / result["hf_trainer_tok_s"]
+    result |= claims_on_seaweed(args.work)
+    print(f"model: small-mixtral path {PATH}; {args.steps} steps x {args.batch} x {args.seq_len} tokens = {tokens:,} tokens; {os.cpu_count()} CPUs")
+    print(f"paths train (whole call: materialize, claim heartbeat, 1 checkpoint, final) {result['ours_tok_s']:>9,.0f} tok/s")
+    print(f"HF Trainer.train() (no checkpoints)                                  {result['hf_trainer_tok_s']:>9,.0f} tok/s   ratio {result['ratio']:.2f} (goal >= 1)")
+    print(f"paths train, the step loop alone (from metrics.jsonl)                {result['ours_loop_tok_s']:>9,.0f} tok/s   ratio {result['loop_ratio']:.2f}")
+    print(f"checkpoint: {result['checkpoint_s']:.3f} s, {result['checkpoint_bytes']:,} bytes")
+    print(f"claims on SeaweedFS, 16 claimers, {result['paths']} paths: p50 {result['claim_p50_ms']:.1f} ms, p99 {result['claim_p99_ms']:.1f} ms")
+    with open(os.path.join(ROOT, "bench", "out", "train.jsonl"), "a") as f:
+        f.write(json.dumps({"at": time.time(), **result}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

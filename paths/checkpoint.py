@@ -1,0 +1,111 @@
+"""Checkpoints of a path being trained: `work/<path>/ckpt-<step>/`.
+
+    model.safetensors       the dense path's weights
+    optimizer.safetensors   AdamW moments and step counts, keyed "<param index>.<name>"
+    state.json              step, tokens, loss, scheduler, data position, RNG, config, lease
+    manifest.json           sha256 of the three files above
+    COMMITTED               last, written only after the lease was renewed (fencing)
+
+A checkpoint without COMMITTED, or whose files do not match its manifest, is skipped on resume for
+the previous committed one (with a warning).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from paths.errors import IntegrityError, NotFound, StorageError
+from storage.layout import COMMITTED, Run
+from storage.manifest import ArtifactWriter, read_verified
+
+
+def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors sharing memory (tied embeddings): copy the later ones."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in state.items():
+        v = v.detach().cpu().contiguous()
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.clone() if ptr in seen else v
+        seen.add(ptr)
+    return out
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, JSON-able rest) of an optimizer's state dict."""
+    sd = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for index, state in sd["state"].items():
+        for name, value in state.items():
+            if torch.is_tensor(value):
+                tensors[f"{index}.{name}"] = value.detach().cpu().contiguous()
+            else:
+                scalars[f"{index}.{name}"] = value
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], rest: dict[str, Any]) -> None:
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    for key, value in rest["scalars"].items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    optimizer.load_state_dict({"state": state, "param_groups": rest["param_groups"]})
+
+
+def save(run: Run, path_id: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], fence: Callable[[], None]) -> dict[str, Any]:
+    """Write a checkpoint; `fence()` (a lease renewal) runs just before COMMITTED and raises
+    LeaseLost when another worker holds the path, leaving the checkpoint uncommitted."""
+    from safetensors.torch import save as st_save
+
+    t0 = time.perf_counter()
+    prefix = run.checkpoint(path_id, step)
+    writer = ArtifactWriter(run.store, prefix)
+    writer.write("model.safetensors", st_save(_unshared(model.state_dict())))
+    tensors, rest = optimizer_tensors(optimizer)
+    writer.write("optimizer.safetensors", st_save(tensors))
+    writer.write_json("state.json", {**state, "optimizer": rest})
+    writer.commit(kind="checkpoint", step=step)
+    fence()
+    run.store.write(f"{prefix}/{COMMITTED}", json.dumps({"step": step, "at": time.time()}).encode())
+    size = sum(e["bytes"] for e in writer.files.values())
+    return {"step": step, "bytes": size, "seconds": time.perf_counter() - t0}
+
+
+def load_latest(run: Run, path_id: str) -> tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]] | None:
+    """(step, model tensors, optimizer tensors, state) of the newest intact committed checkpoint."""
+    from safetensors.torch import load
+
+    for step, committed in reversed(run.checkpoints(path_id)):
+        if not committed:
+            continue
+        prefix = run.checkpoint(path_id, step)
+        try:
+            model = load(read_verified(run.store, prefix, "model.safetensors"))
+            opt = load(read_verified(run.store, prefix, "optimizer.safetensors"))
+            state = json.loads(read_verified(run.store, prefix, "state.json"))
+        except (IntegrityError, NotFound, StorageError, ValueError) as exc:
+            warnings.warn(f"skipping checkpoint {run.store.url_of(prefix)}: {str(exc).splitlines()[0]}; trying the previous one", stacklevel=2)
+            continue
+        return step, model, opt, state
+    return None
+
+
+def prune(run: Run, path_id: str, keep: int) -> None:
+    """Delete committed checkpoints beyond the newest `keep`, and uncommitted ones older than the
+    newest committed (leftovers of killed writers)."""
+    ckpts = run.checkpoints(path_id)
+    committed = [s for s, c in ckpts if c]
+    if not committed:
+        return
+    newest = committed[-1]
+    doomed = committed[:-keep] + [s for s, c in ckpts if not c and s < newest]
+    for step in doomed:
+        run.store.delete_prefix(run.checkpoint(path_id, step))

@@ -1,0 +1,43 @@
+"""Prompt / completion records of one path for `paths train --mode sft`.
+
+Records come from a dataset sharded with `--kind prompts` (prompt in `--text-field`, completion in
+`--answer-field`). A sample is prompt + completion + EOS, cut to seq_len + 1 tokens and padded;
+`loss_from` is where the completion starts, so the loss covers completion tokens only. Order,
+rank / worker split and resume are PathDataset's, with one record per block.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from paths.errors import ConfigurationError
+from sharding.dataset import PathDataset, read_prompts
+from storage.layout import Run
+
+
+class SFTDataset(PathDataset):
+    """Prompt + completion samples with the prompt masked out of the loss."""
+
+    def __init__(self, run: Run, dataset: str, path_id: str, seq_len: int, tokenizer: Any, **kwargs: Any):
+        kwargs.setdefault("prefetch", 1)
+        super().__init__(run, dataset, path_id, seq_len, **kwargs)
+        records = read_prompts(self.run, dataset, path_id, self.split)
+        if not records:
+            raise ConfigurationError(f"dataset {dataset!r} has no {self.split} records for path {path_id}: shard more prompts or pick another path")
+        answers = tokenizer([r["answer"] for r in records], add_special_tokens=False)["input_ids"]
+        self.samples = [(r["ids"] + a + [tokenizer.eos_token_id], len(r["ids"])) for r, a in zip(records, answers)]
+        self.num_windows = len(self.samples)
+        self.block = 1
+
+    def _read_block(self, block: int) -> np.ndarray:
+        return np.zeros(0)  # records are in memory
+
+    def window(self, block_tokens: np.ndarray, block: int, w: int) -> dict[str, torch.Tensor]:
+        ids, prompt_len = self.samples[w]
+        ids = ids[: self.seq_len + 1]
+        tokens = torch.full((self.seq_len + 1,), self.pad_id, dtype=torch.long)
+        tokens[: len(ids)] = torch.tensor(ids, dtype=torch.long)
+        return {"tokens": tokens, "valid": torch.tensor(len(ids)), "index": torch.tensor(w), "loss_from": torch.tensor(min(prompt_len, len(ids)))}

@@ -1,0 +1,96 @@
+"""Training settings: a dataclass that validates itself, read from TOML and `--set key=value`."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from paths.errors import ConfigurationError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11
+    import tomli as tomllib
+
+DEFAULT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "train", "default.toml")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """What `paths train` does; configs/train/default.toml documents each key."""
+
+    seq_len: int = 128
+    batch_size: int = 8
+    grad_accum: int = 1
+    steps: int = 100
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    checkpoint_every: int = 50
+    checkpoint_minutes: float = 30.0
+    keep_checkpoints: int = 2
+    num_workers: int = 0
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "batch_size", "grad_accum", "steps"):
+            if getattr(self, name) <= 0:
+                raise ConfigurationError(f"{name} must be > 0, got {getattr(self, name)} (--set {name}=N or --{name.replace('_', '-')} N)")
+        for name in ("warmup_steps", "checkpoint_every", "num_workers", "weight_decay", "max_grad_norm", "min_lr_ratio"):
+            if getattr(self, name) < 0:
+                raise ConfigurationError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.keep_checkpoints < 1:
+            raise ConfigurationError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ConfigurationError(f"precision must be auto, fp32 or bf16, got {self.precision!r}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens (targets) per optimizer step, per process."""
+        return self.seq_len * self.batch_size * self.grad_accum
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _coerce(name: str, raw: Any, kind: type) -> Any:
+    if isinstance(raw, str) and kind is not str:
+        try:
+            return {int: int, float: float, bool: lambda v: v.lower() in ("1", "true", "yes")}.get(kind, str)(raw)
+        except ValueError:
+            raise ConfigurationError(f"--set {name}={raw}: expected a {kind.__name__}") from None
+    if kind is float and isinstance(raw, int):
+        return float(raw)
+    return raw
+
+
+def load_config(config_file: str | None = None, sets: list[str] | tuple[str, ...] = (), **overrides: Any) -> TrainConfig:
+    """Defaults, then the TOML file, then `--set key=value`, then explicit options."""
+    known = {f.name: f for f in fields(TrainConfig)}
+    types = {name: {"int": int, "float": float}.get(str(f.type), str) for name, f in known.items()}
+    values: dict[str, Any] = {}
+    for path in [DEFAULT] + ([config_file] if config_file else []):
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigurationError(f"cannot read training config {path} ({exc}): give a TOML file like configs/train/default.toml") from None
+        values.update(data)
+    for item in sets:
+        if "=" not in item:
+            raise ConfigurationError(f"--set {item}: use key=value")
+        key, raw = item.split("=", 1)
+        values[key.strip()] = raw.strip()
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigurationError(f"unknown training setting {unknown[0]!r}: valid keys are {', '.join(sorted(known))}")
+    return TrainConfig(**{k: _coerce(k, v, types.get(k, float)) for k, v in values.items()})
