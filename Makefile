@@ -32,17 +32,21 @@ quickstart: install
 
 # MosaicML streaming (a peer in bench/shard.py) pins transformers<5 and numpy<2.2: installed
 # without its dependencies, plus the ones its reader and writer import.
-# botocore stays where s3fs's aiobotocore wants it (boto3 follows it).
+# TRL (bench/grpo.py) comes with its dependencies. The packages the project runs on stay at the
+# versions installed (botocore where s3fs's aiobotocore wants it; boto3 follows).
+PINNED := botocore|fsspec|s3fs|aiobotocore|numpy|transformers|accelerate|zarr|pyarrow|tokenizers
 $(VENV)/.bench: $(VENV)/.installed
-	@$(PY) -m pip freeze | grep -i '^botocore==' | cat - $(VENV)/constraints.txt > $(VENV)/constraints-bench.txt
+	@$(PY) -m pip freeze | grep -iE '^($(PINNED))==' | cat - $(VENV)/constraints.txt > $(VENV)/constraints-bench.txt
 	$(PY) -m pip install -q -c $(VENV)/constraints-bench.txt --no-deps mosaicml-streaming==0.13.0
-	$(PY) -m pip install -q -c $(VENV)/constraints-bench.txt xxhash zstd python-snappy Brotli catalogue boto3 pillow
+	$(PY) -m pip install -q -c $(VENV)/constraints-bench.txt xxhash zstd python-snappy Brotli catalogue boto3 pillow trl
 	@touch $@
 
 bench: install $(VENV)/.bench
 	$(PY) bench/storage.py
 	$(PY) bench/materialize.py
 	$(PY) bench/shard.py
+	$(PY) bench/train.py
+	$(PY) bench/grpo.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

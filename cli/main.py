@@ -37,7 +37,7 @@ def _register() -> None:
         main.add_command(command)
     main.add_command(data_cmds.shard)
     main.add_command(data_cmds.route)
-    for command in (work_cmds.claim, work_cmds.train, work_cmds.release, work_cmds.status):
+    for command in (work_cmds.claim, work_cmds.train, work_cmds.release, work_cmds.status, work_cmds.gen_tasks):
         main.add_command(command)
     main.add_command(storage_cmds.storage)
     main.add_command(quickstart.quickstart)

@@ -35,14 +35,26 @@ def claim(run: str, path_id, ttl: float, worker) -> None:
 @click.command("train")
 @click.argument("run", envvar="PATHS_RUN", required=False)
 @click.option("--path", "path_id", help="The claimed path (default: the one `paths claim` recorded).")
-@click.option("--mode", type=click.Choice(["lm", "sft"]), default="lm", show_default=True)
+@click.option("--mode", type=click.Choice(["lm", "sft", "grpo"]), default="lm", show_default=True)
 @click.option("--dataset", required=True, help="A dataset written by `paths shard` (prompts with --kind prompts for sft).")
 @click.option("--steps", type=int, help="Optimizer steps (default: the config's).")
 @click.option("--checkpoint-every", type=int, help="Steps between checkpoints.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="A TOML like configs/train/default.toml.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override one setting (repeatable), e.g. --set lr=1e-4.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (metrics still go to work/<path>/metrics.jsonl).")
-def train(run, path_id, mode, dataset, steps, checkpoint_every, config_file, sets, no_progress) -> None:
+@click.option("--init", "init", type=click.Choice(["base", "final"]), default="base", show_default=True, help="Start from the path cut from base/, or from its work/<path>/final/ (e.g. grpo after lm).")
+@click.option("--reward", "rewards", multiple=True, metavar="SPEC[=W]", help="grpo: math_answer, format, length_penalty or module:function, optional weight; repeatable (default math_answer).")
+@click.option("--group-size", type=int, help="grpo: completions per prompt (>= 2).")
+@click.option("--max-new-tokens", type=int, help="grpo: completion length limit.")
+@click.option("--temperature", type=float, help="grpo: sampling temperature.")
+@click.option("--top-p", type=float, help="grpo: nucleus sampling.")
+@click.option("--beta", type=float, help="grpo: KL penalty to the starting weights (0: no reference model).")
+@click.option("--epsilon", type=float, help="grpo: clip range below 1.")
+@click.option("--epsilon-high", type=float, help="grpo: clip range above 1 (default: --epsilon).")
+@click.option("--loss", type=click.Choice(["grpo", "bnpo", "dr_grpo", "dapo"]), help="grpo: loss normalisation (TRL's definitions).")
+@click.option("--scale-rewards", type=click.Choice(["group", "batch", "none"]), help="grpo: advantage scaling.")
+@click.option("--iterations", type=int, help="grpo: optimizer steps per rollout.")
+def train(run, path_id, mode, dataset, steps, checkpoint_every, config_file, sets, no_progress, init, rewards, **grpo) -> None:
     """Train the claimed path, renewing its lease; checkpoints and exact resume."""
     import os
 
@@ -51,7 +63,7 @@ def train(run, path_id, mode, dataset, steps, checkpoint_every, config_file, set
     from paths.train_config import load_config
     from storage.layout import open_run
 
-    cfg = load_config(config_file, sets, steps=steps, checkpoint_every=checkpoint_every)
+    cfg = load_config(config_file, sets, steps=steps, checkpoint_every=checkpoint_every, **grpo)
     if run is None:
         local = load_local()
         if local is None:
@@ -65,7 +77,7 @@ def train(run, path_id, mode, dataset, steps, checkpoint_every, config_file, set
         lease, path_id = None, path_id or local.get("path")
         if path_id is None:
             raise click.UsageError("give --path on every rank, or run `paths claim` where all ranks can read .paths/claim.json")
-    summary = do(r, lease.path if lease else path_id, mode, dataset, cfg, lease, show_progress=not no_progress)
+    summary = do(r, lease.path if lease else path_id, mode, dataset, cfg, lease, show_progress=not no_progress, rewards=list(rewards), init=init)
     if "final" in summary:  # rank 0 (other ranks write nothing)
         click.echo(f"trained {summary['path']}: {summary['steps']} steps, {summary['tokens']:,} tokens, final loss {summary['final_loss']:.4f} -> {summary['final']}")
 
@@ -93,3 +105,22 @@ def status(run: str, json_out: bool) -> None:
 
     rows = do(open_run(run))
     click.echo(as_json(rows) if json_out else render_status(rows))
+
+
+@click.command("gen-tasks")
+@click.argument("kind", type=click.Choice(["arithmetic"]))
+@click.option("--n", "n", required=True, type=int, help="Number of prompts.")
+@click.option("--levels", default="1,2,3", show_default=True, help="Difficulty levels (operations per problem, 1-5), comma-separated.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--out", required=True, help="Output JSONL: a file or an fsspec URL.")
+def gen_tasks(kind: str, n: int, levels: str, seed: int, out: str) -> None:
+    """Write RL prompts with exact answers (JSONL: id, level, prompt, answer)."""
+    from paths.tasks import arithmetic, write_jsonl
+
+    try:
+        level_list = [int(x) for x in levels.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{levels!r}: give numbers like 1,2,3", param_hint="--levels") from None
+    records = arithmetic(n, level_list, seed)
+    write_jsonl(records, out)
+    click.echo(f"wrote {len(records)} {kind} prompts (levels {levels}) to {out}")

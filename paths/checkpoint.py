@@ -79,8 +79,9 @@ def save(run: Run, path_id: str, step: int, model: torch.nn.Module, optimizer: t
     return {"step": step, "bytes": size, "seconds": time.perf_counter() - t0}
 
 
-def load_latest(run: Run, path_id: str) -> tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]] | None:
-    """(step, model tensors, optimizer tensors, state) of the newest intact committed checkpoint."""
+def load_latest(run: Run, path_id: str, job: dict[str, Any] | None = None) -> tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]] | None:
+    """(step, model tensors, optimizer tensors, state) of the newest intact committed checkpoint
+    (of this job: its state.json matches every `job` field, e.g. mode and dataset)."""
     from safetensors.torch import load
 
     for step, committed in reversed(run.checkpoints(path_id)):
@@ -88,9 +89,11 @@ def load_latest(run: Run, path_id: str) -> tuple[int, dict[str, torch.Tensor], d
             continue
         prefix = run.checkpoint(path_id, step)
         try:
+            state = json.loads(read_verified(run.store, prefix, "state.json"))
+            if job and any(state.get(k) != v for k, v in job.items()):
+                continue  # another stage's checkpoint (e.g. lm before grpo)
             model = load(read_verified(run.store, prefix, "model.safetensors"))
             opt = load(read_verified(run.store, prefix, "optimizer.safetensors"))
-            state = json.loads(read_verified(run.store, prefix, "state.json"))
         except (IntegrityError, NotFound, StorageError, ValueError) as exc:
             warnings.warn(f"skipping checkpoint {run.store.url_of(prefix)}: {str(exc).splitlines()[0]}; trying the previous one", stacklevel=2)
             continue

@@ -19,6 +19,10 @@ PATH = "p01-02"
 DATASET = "corpus"
 LM_DATASET = "corpus-moe"
 TRAIN_STEPS = 4
+RL_DATASET = "arithmetic"
+RL_PROMPTS = 800
+RL_STEPS = 8
+REWARDS = ["math_answer", "format=0.5"]
 DOMAINS = {"code": "p00-00", "prose": "p01-02", "math": "p03-03"}
 
 Stage = tuple[str, Callable[[], Any]]
@@ -47,6 +51,14 @@ def stages(root: str = DEFAULT_ROOT) -> Iterator[Stage]:
     yield f"paths shard {root} --dataset {LM_DATASET} --input '{corpus}/*.jsonl' --id-field id --router moe", lambda: _shard_lm(run, corpus)
     yield f"while paths claim {root} --ttl 60; do paths train --dataset {LM_DATASET} --steps {TRAIN_STEPS}; done", lambda: _train_all(run)
     yield f"paths status {root}", lambda: _status(run)
+    tasks = os.path.join(os.path.dirname(os.path.abspath(root)), "quickstart-tasks", "arithmetic.jsonl")  # not in the corpus glob
+    yield f"paths gen-tasks arithmetic --n {RL_PROMPTS} --levels 1,2 --out {tasks}", lambda: _tasks(tasks)
+    yield f"paths shard {root} --dataset {RL_DATASET} --input {tasks} --kind prompts --text-field prompt --id-field id --router moe --holdout 0.2", lambda: _shard_rl(run, tasks)
+    yield (
+        f"paths release {root} --path P && paths claim {root} --path P && paths train --mode grpo --init final "
+        f"--dataset {RL_DATASET} --reward math_answer --reward format=0.5 --steps {RL_STEPS}   (P: the path with the most held-out prompts)",
+        lambda: _grpo(run),
+    )
     out = os.path.join(os.path.dirname(os.path.abspath(root)), f"quickstart-{PATH}")
     yield f"paths materialize {root} --path {PATH} --out {out}", lambda: materialize(run, PATH, out)
     yield f"AutoModelForCausalLM.from_pretrained({out!r})", lambda: _load(out)
@@ -138,3 +150,57 @@ def _status(run) -> str:
     from paths.status import status
 
     return render_status(status(run))
+
+
+def _tasks(path: str) -> str:
+    from paths.tasks import arithmetic, write_jsonl
+
+    write_jsonl(arithmetic(RL_PROMPTS, [1, 2]), path)
+    return f"wrote {RL_PROMPTS} prompts with exact answers to {path}"
+
+
+def _shard_rl(run, tasks: str) -> dict[str, Any]:
+    from sharding.shard import ShardOptions, shard
+
+    return shard(run, ShardOptions(dataset=RL_DATASET, inputs=[tasks], kind="prompts", text_field="prompt", id_field="id", router="moe", holdout=0.2))
+
+
+def _grpo(run) -> str:
+    """GRPO on one LM-trained path; reward on its held-out prompts before and after."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from paths.claims import claim, release
+    from paths.grpo import evaluate
+    from paths.rewards import load_reward
+    from paths.train import fetch_final, train
+    from paths.train_config import load_config
+    from sharding.dataset import read_prompts
+
+    from sharding.dataset import dataset_manifest
+
+    paths = dataset_manifest(run, RL_DATASET)["paths"]
+    RL_PATH = max(sorted(paths), key=lambda p: paths[p]["heldout_docs"])
+    rewards = [load_reward(r) for r in REWARDS]
+    heldout = read_prompts(run, RL_DATASET, RL_PATH, "heldout")
+
+    def score_final() -> dict[str, float]:
+        with tempfile.TemporaryDirectory() as folder:
+            fetch_final(run, RL_PATH, folder)
+            model = AutoModelForCausalLM.from_pretrained(folder)
+            return evaluate(model, AutoTokenizer.from_pretrained(folder), heldout, rewards, max_new_tokens=16)
+
+    before = score_final()
+    release(run, RL_PATH, "open", by="quickstart")
+    lease = claim(run, [RL_PATH], ttl=60, worker="quickstart")
+    cfg = load_config(sets=["batch_size=4", "group_size=8", "max_new_tokens=16", "warmup_steps=1", "lr=1e-3"], steps=RL_STEPS, checkpoint_every=4)
+    out = train(run, RL_PATH, "grpo", RL_DATASET, cfg, lease, show_progress=False, rewards=REWARDS, init="final")
+    after = score_final()
+    fmt = lambda d: ", ".join(f"{k} {v:.3f}" for k, v in d.items() if k != "prompts")  # noqa: E731
+    return (
+        f"{RL_PATH}: {out['steps']} GRPO steps ({out['tokens']:,} completion tokens) from its lm-trained final/\n"
+        f"held-out reward on {before['prompts']} prompts (greedy): before {fmt(before)}\n"
+        f"                                         after  {fmt(after)}\n"
+        "(a 189K-parameter model trained for seconds does not do arithmetic: the numbers show the loop, not skill)"
+    )

@@ -41,3 +41,22 @@ class SFTDataset(PathDataset):
         tokens = torch.full((self.seq_len + 1,), self.pad_id, dtype=torch.long)
         tokens[: len(ids)] = torch.tensor(ids, dtype=torch.long)
         return {"tokens": tokens, "valid": torch.tensor(len(ids)), "index": torch.tensor(w), "loss_from": torch.tensor(min(prompt_len, len(ids)))}
+
+
+class PromptDataset(PathDataset):
+    """Prompt records of one path (for GRPO), yielding record indices in the shuffled order."""
+
+    def __init__(self, run: Run, dataset: str, path_id: str, seq_len: int, **kwargs: Any):
+        kwargs.setdefault("prefetch", 1)
+        super().__init__(run, dataset, path_id, seq_len, **kwargs)
+        self.records = read_prompts(self.run, dataset, path_id, self.split)
+        if not self.records:
+            raise ConfigurationError(f"dataset {dataset!r} has no {self.split} prompts for path {path_id}: shard more prompts or pick another path")
+        self.num_windows = len(self.records)
+        self.block = 1
+
+    def _read_block(self, block: int) -> np.ndarray:
+        return np.zeros(0)
+
+    def window(self, block_tokens: np.ndarray, block: int, w: int) -> dict[str, torch.Tensor]:
+        return {"index": torch.tensor(w)}

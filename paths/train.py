@@ -25,12 +25,12 @@ import torch
 
 from paths import checkpoint
 from paths.claims import Lease
-from paths.errors import ConfigurationError, LeaseLost, PathsError
+from paths.errors import ConfigurationError, LeaseLost, NotFound, PathsError
 from paths.train_config import TrainConfig
 from storage.layout import Run
 from storage.manifest import ArtifactWriter, sha256_hex
 
-Mode = Literal["lm", "sft"]
+Mode = Literal["lm", "sft", "grpo"]
 
 
 class Interrupted(PathsError):
@@ -108,6 +108,34 @@ def micro_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], total_tar
     return loss / max(1, total_targets), int(keep.sum())
 
 
+def lm_step(cfg: TrainConfig):
+    """The lm / sft step: grad_accum micro-batches, loss normalised by the step's targets."""
+
+    def step(model, acc, it) -> dict[str, float]:
+        batches = [next(it) for _ in range(cfg.grad_accum)]
+        total = sum(targets_of(b) for b in batches)
+        loss_sum = 0.0
+        for b in batches:
+            loss, _ = micro_loss(model, b, total)
+            acc.backward(loss)
+            loss_sum += float(loss.detach())
+        return {"loss": loss_sum, "tokens": total}
+
+    return step
+
+
+class Counting:
+    """A batch iterator that counts the samples it handed out (the data position to save)."""
+
+    def __init__(self, it, start: int):
+        self.it, self.consumed = it, start
+
+    def __next__(self):
+        batch = next(self.it)
+        self.consumed += len(batch["index"])
+        return batch
+
+
 def targets_of(batch: dict[str, torch.Tensor]) -> int:
     pos = torch.arange(batch["tokens"].shape[1] - 1).unsqueeze(0)
     keep = pos < (batch["valid"].unsqueeze(1) - 1)
@@ -142,13 +170,17 @@ def train(
     lease: Lease | None,
     *,
     show_progress: bool = True,
+    rewards: list[str] | None = None,
+    init: Literal["base", "final"] = "base",
 ) -> dict[str, Any]:
-    """Train a path to cfg.steps, resuming from its newest checkpoint; returns the summary."""
+    """Train a path to cfg.steps, resuming from its newest checkpoint of this job (mode and
+    dataset); returns the summary. `rewards` (grpo): `NAME[=WEIGHT]` or `module:function[=WEIGHT]`.
+    `init`: start from the path cut from base/, or from its `final/` (a stage after another)."""
     with torch.enable_grad():  # whatever the caller's global grad mode
-        return _train(run, path_id, mode, dataset, cfg, lease, show_progress)
+        return _train(run, path_id, mode, dataset, cfg, lease, show_progress, list(rewards or ["math_answer"]), init)
 
 
-def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, lease: Lease | None, show_progress: bool) -> dict[str, Any]:
+def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, lease: Lease | None, show_progress: bool, rewards: list[str], init: str) -> dict[str, Any]:
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -156,8 +188,11 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
     from paths.decompose import materialize
     from sharding.dataset import PathDataset, path_entry
 
-    if mode not in ("lm", "sft"):
-        raise ConfigurationError(f"--mode {mode!r} is not a training mode here: use lm or sft")
+    if mode not in ("lm", "sft", "grpo"):
+        raise ConfigurationError(f"--mode {mode!r} is not a training mode: use lm, sft or grpo")
+    from paths.rewards import load_reward
+
+    reward_fns = [load_reward(r) for r in rewards] if mode == "grpo" else []
     hf_logging.disable_progress_bar()
     cuda = torch.cuda.is_available()
     precision = {"auto": "bf16" if cuda else "no", "bf16": "bf16", "fp32": "no"}[cfg.precision]
@@ -168,15 +203,21 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
     manifest, entry = path_entry(run, dataset, path_id)
     if mode == "lm" and entry["train_tokens"] < 2:
         raise ConfigurationError(f"dataset {dataset!r} has no training tokens for path {path_id}: route data to it or pick another path")
-    if mode == "sft" and manifest.get("data_kind") != "prompts":
-        raise ConfigurationError(f"--mode sft needs a prompt/completion dataset: shard {dataset!r} with --kind prompts --answer-field completion")
+    if mode in ("sft", "grpo") and manifest.get("data_kind") != "prompts":
+        raise ConfigurationError(f"--mode {mode} needs a prompt dataset: shard {dataset!r} with --kind prompts --answer-field ANSWER")
 
     local = tempfile.mkdtemp(prefix=f"paths-train-{path_id}-")
     stop = Stop()
     beat: Heartbeat | None = None
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)} if threading.current_thread() is threading.main_thread() else {}
     try:
-        materialize(run, path_id, os.path.join(local, "init"))
+        if init == "final":
+            previous_stage = fetch_final(run, path_id, os.path.join(local, "init"))
+        elif init == "base":
+            materialize(run, path_id, os.path.join(local, "init"))
+            previous_stage = None
+        else:
+            raise ConfigurationError(f"--init must be base or final, got {init!r}")
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_pretrained(os.path.join(local, "init"), dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(local, "init"))
@@ -184,13 +225,23 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
         common = dict(seed=cfg.seed, batch_size=cfg.batch_size, rank=acc.process_index, world_size=acc.num_processes)
         if mode == "lm":
             data = PathDataset(run, dataset, path_id, cfg.seq_len, **common)
-        else:
+            step_fn = lm_step(cfg)
+        elif mode == "sft":
             from paths.sft_data import SFTDataset
 
             data = SFTDataset(run, dataset, path_id, cfg.seq_len, tokenizer, **common)
+            step_fn = lm_step(cfg)
+        else:
+            from paths.grpo import GRPOStep, check_prompts
+            from paths.sft_data import PromptDataset
+
+            data = PromptDataset(run, dataset, path_id, cfg.seq_len, **common)
+            check_prompts(data.records, reward_fns, dataset)
+            ref = AutoModelForCausalLM.from_pretrained(os.path.join(local, "init"), dtype=torch.float32).eval() if cfg.beta > 0 else None
+            step_fn = GRPOStep(cfg, data.records, reward_fns, tokenizer, ref)
 
         start, tokens_seen, last_loss, metrics = 0, 0, None, []
-        resumed = checkpoint.load_latest(run, path_id)
+        resumed = checkpoint.load_latest(run, path_id, {"mode": mode, "dataset": dataset})
         if resumed is not None:
             start, model_sd, opt_sd, state = resumed
             model.load_state_dict(model_sd)
@@ -217,7 +268,7 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
         def save_checkpoint(step: int) -> dict[str, Any] | None:
             state = {
                 "step": step, "tokens": tokens_seen, "loss": last_loss, "config": cfg.to_json(), "mode": mode,
-                "dataset": dataset, "data": _gather_positions(acc, data, step * cfg.batch_size * cfg.grad_accum),
+                "dataset": dataset, "data": _gather_positions(acc, data, it.consumed),
                 "rng": _rng_state(), "generation": lease.generation if lease else None,
             }
             acc.wait_for_everyone()
@@ -231,42 +282,42 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
             return out
 
         bar = _progress(show_progress and main, start, cfg.steps, path_id)
-        it = iter(torch.utils.data.DataLoader(data, batch_size=cfg.batch_size, num_workers=cfg.num_workers))
+        # The loader gets its own generator: creating its iterator must not draw from the global
+        # RNG, which the sampler uses and checkpoints save (resume is exact only that way).
+        loader = torch.utils.data.DataLoader(data, batch_size=cfg.batch_size, num_workers=cfg.num_workers, generator=torch.Generator().manual_seed(cfg.seed))
+        it = Counting(iter(loader), data.position)
         last_ckpt_time, t0, tokens_at_t0 = time.time(), time.time(), tokens_seen
         model.train()
         step = start
         while step < cfg.steps:
             _check_stop(acc, stop)
-            batches = [next(it) for _ in range(cfg.grad_accum)]
-            total = sum(targets_of(b) for b in batches)
-            loss_sum = 0.0
-            for b in batches:
-                loss, _ = micro_loss(model, b, total)
-                acc.backward(loss)
-                loss_sum += float(loss.detach())
+            stats = step_fn(model, acc, it)  # gradients of one optimizer step
             if cfg.max_grad_norm > 0:
                 acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            tokens_seen += total * acc.num_processes
-            last_loss = loss_sum
+            tokens_seen += stats.pop("tokens") * acc.num_processes
+            last_loss = stats["loss"]
             rate = (tokens_seen - tokens_at_t0) / max(1e-9, time.time() - t0)
-            metrics.append({"step": step, "loss": last_loss, "lr": scheduler.get_last_lr()[0], "tokens": tokens_seen, "tokens_per_s": rate, "time": time.time()})
+            metrics.append({"step": step, **stats, "lr": scheduler.get_last_lr()[0], "tokens": tokens_seen, "tokens_per_s": rate, "time": time.time()})
             if beat is not None:
                 beat.progress.update(step=step, tokens=tokens_seen, loss=last_loss)
             bar.update(1)
             bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{rate:,.0f}", lease=f"{lease.time_left():.0f}s" if lease else "-")
             due = (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or time.time() - last_ckpt_time > cfg.checkpoint_minutes * 60
-            if due and step < cfg.steps:
+            between = step % getattr(step_fn, "checkpoint_multiple", 1) == 0  # grpo: not inside a rollout's iterations
+            if due and between and step < cfg.steps:
                 save_checkpoint(step)
                 last_ckpt_time = time.time()
-            if stop.signal is not None or stop.lost is not None:
+            if stop.lost is not None or (stop.signal is not None and between):
                 _check_stop(acc, stop, save_checkpoint, step, lease)
         bar.close()
         _check_stop(acc, stop)
-        summary = {"path": path_id, "mode": mode, "steps": step, "tokens": tokens_seen, "final_loss": last_loss, "resumed_from": start}
+        summary = {"path": path_id, "mode": mode, "steps": step, "tokens": tokens_seen, "final_loss": last_loss, "resumed_from": start, "init": init}
+        if previous_stage is not None:
+            summary["previous_stage"] = previous_stage
         acc.wait_for_everyone()
         if main:
             summary["final"] = _write_final(run, path_id, acc.unwrap_model(model), tokenizer, local, cfg, mode, dataset, manifest, summary, fence)
@@ -282,6 +333,22 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
         for s, h in previous.items():
             signal.signal(s, h)
         shutil.rmtree(local, ignore_errors=True)
+
+
+def fetch_final(run: Run, path_id: str, out: str) -> dict[str, Any]:
+    """Download work/<path>/final/ (checked against its manifest); its provenance."""
+    from storage.manifest import read_manifest, read_verified
+
+    try:
+        files = read_manifest(run.store, run.final(path_id))["files"]
+    except NotFound:
+        raise NotFound(f"path {path_id} has no final/ to start from in {run.url}: train it first, or use --init base") from None
+    os.makedirs(out, exist_ok=True)
+    for name in files:
+        with open(os.path.join(out, name), "wb") as f:
+            f.write(read_verified(run.store, run.final(path_id), name))
+    with open(os.path.join(out, "provenance.json")) as f:
+        return json.load(f)
 
 
 def _gather_positions(acc, data, consumed: int) -> list[dict[str, Any]] | dict[str, Any]:

@@ -39,6 +39,17 @@ class TrainConfig:
     keep_checkpoints: int = 2
     num_workers: int = 0
     precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # --mode grpo
+    group_size: int = 8
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float = 0.0
+    loss: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    iterations: int = 1
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "batch_size", "grad_accum", "steps"):
@@ -49,6 +60,15 @@ class TrainConfig:
                 raise ConfigurationError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.keep_checkpoints < 1:
             raise ConfigurationError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.group_size < 2:
+            raise ConfigurationError(f"--group-size must be >= 2 (advantages compare completions of one prompt), got {self.group_size}")
+        for name in ("max_new_tokens", "iterations"):
+            if getattr(self, name) < 1:
+                raise ConfigurationError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature <= 0 or not 0 < self.top_p <= 1:
+            raise ConfigurationError(f"temperature must be > 0 and top_p in (0, 1], got {self.temperature} and {self.top_p}")
+        if self.loss not in ("grpo", "bnpo", "dr_grpo", "dapo") or self.scale_rewards not in ("group", "batch", "none"):
+            raise ConfigurationError(f"loss must be grpo, bnpo, dr_grpo or dapo and scale_rewards group, batch or none; got {self.loss!r}, {self.scale_rewards!r}")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ConfigurationError(f"precision must be auto, fp32 or bf16, got {self.precision!r}")
 

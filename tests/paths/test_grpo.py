@@ -1,0 +1,221 @@
+"""GRPO: each loss type against a hand-computed value, zero advantage for a zero-variance group,
+a toy reward that a tiny model learns within 30 CPU steps, 4x1 accumulation equal to 1x4, exact
+resume, the rewards and task generator, and bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cli.main import main
+from paths import checkpoint
+from paths.errors import ConfigurationError, DataError
+from paths.grpo import clipped_surrogate, group_advantages, grpo_backward, kl_k3, reduce_loss, rollout
+from paths.rewards import extract_answer, format_reward, load_reward, math_answer
+from paths.tasks import arithmetic, write_jsonl
+from paths.train import train
+from paths.train_config import load_config
+from sharding.shard import ShardOptions, shard
+from tests.sharding.conftest import make_run
+
+TOY = "tests.paths.toy_rewards:even_first_char"
+FAST = ["batch_size=4", "group_size=8", "max_new_tokens=4", "warmup_steps=1", "min_lr_ratio=1.0", "checkpoint_every=0"]
+
+
+@pytest.fixture
+def rl_run(tmp_path, tokenizer_dir):
+    """A one-level run (4 experts) with 200 arithmetic prompts routed by hash."""
+    run = make_run(str(tmp_path / "run"), tokenizer_dir, 1)
+    f = str(tmp_path / "tasks.jsonl")
+    write_jsonl(arithmetic(200, [1, 2]), f)
+    shard(run, ShardOptions(dataset="rl", inputs=[f], kind="prompts", text_field="prompt", holdout=0.0))
+    return run
+
+
+def metrics(run, path):
+    return [json.loads(x) for x in run.store.read(f"work/{path}/metrics.jsonl").decode().splitlines()]
+
+
+# -- the pieces, by hand ----------------------------------------------------------------------------
+def test_each_loss_type_equals_the_hand_computed_value():
+    adv = torch.tensor([1.0, -0.5])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    logp = torch.zeros(2, 3)
+    per_token, clipped = clipped_surrogate(logp, logp, adv, 0.2, 0.2)  # ratio 1: loss = -A
+    assert torch.equal(per_token, torch.tensor([[-1.0, -1, -1], [0.5, 0.5, 0.5]])) and not clipped.any()
+    # grpo: mean of per-sequence means = (-1 + 0.5) / 2
+    assert reduce_loss(per_token, mask, "grpo", 2, 5, 3).item() == pytest.approx(-0.25)
+    # bnpo / dapo: sum over tokens / tokens = (-2 + 1.5) / 5
+    assert reduce_loss(per_token, mask, "bnpo", 2, 5, 3).item() == pytest.approx(-0.1)
+    assert reduce_loss(per_token, mask, "dapo", 2, 5, 3).item() == pytest.approx(-0.1)
+    # dr_grpo: sum / (completions x max_new_tokens) = -0.5 / 6
+    assert reduce_loss(per_token, mask, "dr_grpo", 2, 5, 3).item() == pytest.approx(-0.5 / 6)
+
+
+def test_clipping_and_kl_by_hand():
+    logp, old = torch.log(torch.tensor([[1.5]])), torch.zeros(1, 1)
+    loss, clipped = clipped_surrogate(logp, old, torch.tensor([1.0]), 0.2, 0.2)
+    assert loss.item() == pytest.approx(-1.2) and clipped.item()  # min(1.5, 1.2) * 1
+    loss, clipped = clipped_surrogate(logp, old, torch.tensor([-1.0]), 0.2, 0.2)
+    assert loss.item() == pytest.approx(1.5) and not clipped.item()  # min(-1.5, -1.2)
+    loss, _ = clipped_surrogate(logp, old, torch.tensor([1.0]), 0.2, 0.28)  # DAPO's clip-higher
+    assert loss.item() == pytest.approx(-1.28)
+    kl = kl_k3(torch.log(torch.tensor([0.5])), torch.log(torch.tensor([0.25])))
+    assert kl.item() == pytest.approx(0.5 - math.log(0.5) - 1)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_a_zero_variance_group_has_zero_advantage(scale):
+    rewards = torch.tensor([1.0, 1, 1, 1, 0, 1, 0, 1])
+    adv = group_advantages(rewards, 4, scale)
+    assert torch.equal(adv[:4], torch.zeros(4))
+    assert adv[4:].abs().min() > 0 and adv[4:].sum().abs() < 1e-6
+    if scale == "none":
+        assert torch.allclose(adv[4:], torch.tensor([-0.5, 0.5, -0.5, 0.5]))
+
+
+# -- training ---------------------------------------------------------------------------------------------
+def test_a_toy_reward_rises_within_30_cpu_steps(rl_run):
+    cfg = load_config(sets=FAST + ["lr=1e-2"], steps=30)
+    train(rl_run, "p00", "grpo", "rl", cfg, None, show_progress=False, rewards=[TOY])
+    rewards = [m["reward_mean"] for m in metrics(rl_run, "p00")]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.25 and last > 0.75, rewards
+    m = metrics(rl_run, "p00")[-1]
+    for key in ("reward_std", "zero_variance_groups", "completion_length", "kl", "clip_fraction", "completions_per_s", "tokens_per_s"):
+        assert key in m
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo"])
+def test_accumulating_4x1_equals_1x4(rl_run, loss):
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from paths.decompose import materialize
+    from sharding.dataset import read_prompts
+
+    folder = os.path.join(str(rl_run.store.root), "..", "p00-init")
+    materialize(rl_run, "p00", folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    cfg = load_config(sets=FAST + [f"loss={loss}", "group_size=4", "iterations=2"], steps=1)
+    records = read_prompts(rl_run, "rl", "p00")[:4]
+    ro = rollout(model, None, records, [load_reward(TOY)], cfg, tok)
+    acc = Accelerator(cpu=True)
+    grads = []
+    for rows in ([slice(0, 16)], [slice(i, i + 4) for i in range(0, 16, 4)]):
+        model.zero_grad()
+        grpo_backward(model, acc, ro, cfg, rows)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.allclose(a, b, atol=1e-7, rtol=1e-5) for a, b in zip(*grads))
+
+
+def test_resume_is_exact(tmp_path, tokenizer_dir, monkeypatch):
+    def build(name):
+        run = make_run(str(tmp_path / name), tokenizer_dir, 1)
+        f = str(tmp_path / f"{name}.jsonl")
+        write_jsonl(arithmetic(100, [1]), f)
+        shard(run, ShardOptions(dataset="rl", inputs=[f], kind="prompts", text_field="prompt", holdout=0.0))
+        return run
+
+    cfg = load_config(sets=FAST + ["lr=1e-2", "checkpoint_every=3", "iterations=1"], steps=6)
+    whole = build("a")
+    train(whole, "p01", "grpo", "rl", cfg, None, show_progress=False, rewards=[TOY])
+    broken = build("b")
+    real = checkpoint.prune
+
+    def crash(*a, **k):
+        real(*a, **k)
+        raise KeyboardInterrupt("killed after the first checkpoint")
+
+    monkeypatch.setattr(checkpoint, "prune", crash)
+    with pytest.raises(KeyboardInterrupt):
+        train(broken, "p01", "grpo", "rl", cfg, None, show_progress=False, rewards=[TOY])
+    monkeypatch.setattr(checkpoint, "prune", real)
+    out = train(broken, "p01", "grpo", "rl", cfg, None, show_progress=False, rewards=[TOY])
+    assert out["resumed_from"] == 3
+    from safetensors.torch import load_file
+
+    a = load_file(whole.store.path("work/p01/final/model.safetensors"))
+    b = load_file(broken.store.path("work/p01/final/model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [m["reward_mean"] for m in metrics(whole, "p01")] == [m["reward_mean"] for m in metrics(broken, "p01")]
+
+
+# -- rewards and tasks ------------------------------------------------------------------------------------
+def test_math_answer_and_format():
+    assert extract_answer("so it is \\boxed{42}.") == 42 and extract_answer("Answer: -3.5") == -3.5
+    assert extract_answer("first 3 then 7") == 7 and extract_answer("nothing") is None
+    assert math_answer(["p"] * 3, ["Answer: 12", "it is 12.0", "Answer: 13"], ["12"] * 3) == [1.0, 1.0, 0.0]
+    assert format_reward(["Give 'Answer: <number>'", "use \\boxed{}"], ["Answer: 1", "Answer: 1"], ["", ""]) == [1.0, 0.0]
+
+
+def test_gen_tasks_answers_are_exact(tmp_path):
+    out = tmp_path / "t.jsonl"
+    result = CliRunner().invoke(main, ["gen-tasks", "arithmetic", "--n", "60", "--levels", "1,2,3,4", "--out", str(out)])
+    assert result.exit_code == 0, result.stderr
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 60 and {r["level"] for r in rows} == {1, 2, 3, 4}
+    for r in rows:
+        m = re.match(r"Compute (.*)\. Give", r["prompt"])
+        if m:
+            assert eval(m.group(1)) == int(r["answer"]), r  # the expression really has that value
+    assert out.read_text() == "".join(json.dumps(r) + "\n" for r in arithmetic(60, [1, 2, 3, 4]))
+
+
+# -- bad input ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec, message", [
+    ("nope.module:fn", "cannot be imported"),
+    ("tests.paths.toy_rewards:missing", "cannot be imported"),
+    ("tests.paths.toy_rewards:NOT_CALLABLE", "not callable"),
+    ("unknown_builtin", "not a built-in reward"),
+])
+def test_reward_specs_that_cannot_load(spec, message):
+    with pytest.raises(ConfigurationError, match=message):
+        load_reward(spec)
+
+
+@pytest.mark.parametrize("fn, message", [("wrong_length", "returned 1 values for 32 completions"), ("not_a_number", "NaN")])
+def test_bad_reward_values_stop_with_nothing_committed(rl_run, fn, message):
+    cfg = load_config(sets=FAST, steps=3)
+    with pytest.raises(DataError, match=f"toy_rewards:{fn}.*{message}"):
+        train(rl_run, "p00", "grpo", "rl", cfg, None, show_progress=False, rewards=[f"tests.paths.toy_rewards:{fn}"])
+    assert not rl_run.store.exists("work/p00/final/manifest.json") and rl_run.checkpoints("p00") == []
+
+
+def test_prompts_without_answers_and_small_groups(rl_run, tmp_path):
+    f = tmp_path / "noanswer.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"say {i}", "answer": ""}) + "\n" for i in range(20)))
+    shard(rl_run, ShardOptions(dataset="bare", inputs=[str(f)], kind="prompts", text_field="prompt", holdout=0.0))
+    manifest = json.loads(rl_run.store.read("data/bare/manifest.json"))
+    path = max(manifest["paths"], key=lambda p: manifest["paths"][p]["train_docs"])
+    with pytest.raises(DataError, match="needs answers"):
+        train(rl_run, path, "grpo", "bare", load_config(sets=FAST, steps=1), None, show_progress=False, rewards=["math_answer"])
+    with pytest.raises(ConfigurationError, match="--group-size must be >= 2"):
+        load_config(group_size=1)
+
+
+def test_lean_sampler_matches_the_model_and_keeps_the_cache_right(rl_run, tmp_path):
+    """Greedy-equivalent check: at temperature -> 0 our KV-cached loop picks transformers'
+    greedy tokens (left padding and positions included)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from paths.decompose import materialize
+    from paths.grpo import generate, left_pad
+    from sharding.dataset import read_prompts
+
+    materialize(rl_run, "p00", str(tmp_path / "m"))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "m"))
+    records = read_prompts(rl_run, "rl", "p00")[:5]
+    ids, mask = left_pad([r["ids"] for r in records], tok.pad_token_id)
+    ours = generate(model, ids, mask, 8, 1e-6, 1.0, eos_id=-1, pad_id=tok.pad_token_id)
+    theirs = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=8, min_new_tokens=8, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+    assert torch.equal(ours, theirs)
