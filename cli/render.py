@@ -164,3 +164,11 @@ def render_status(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         counts[r["state"]] = counts.get(r["state"], 0) + 1
     return body + "\n" + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+
+
+def render_eval(result: dict[str, Any]) -> str:
+    """Models x path shards (+ overall) of one `paths eval`."""
+    cols = result["shards"] + ["overall"]
+    rows = [[model] + [f"{row[c]:.3f}" for c in cols] for model, row in result["table"].items()]
+    head = f"{result['metric']} on {result['dataset']} ({result['split']}; lower is better)" if result["metric"] == "perplexity" else f"{result['metric']} on {result['dataset']} ({result['split']})"
+    return head + "\n" + table(["model"] + cols, rows)

@@ -23,6 +23,7 @@ RL_DATASET = "arithmetic"
 RL_PROMPTS = 800
 RL_STEPS = 8
 REWARDS = ["math_answer", "format=0.5"]
+COMPOSED = "quickstart"
 DOMAINS = {"code": "p00-00", "prose": "p01-02", "math": "p03-03"}
 
 Stage = tuple[str, Callable[[], Any]]
@@ -59,6 +60,9 @@ def stages(root: str = DEFAULT_ROOT) -> Iterator[Stage]:
         f"--dataset {RL_DATASET} --reward math_answer --reward format=0.5 --steps {RL_STEPS}   (P: the path with the most held-out prompts)",
         lambda: _grpo(run),
     )
+    yield f"paths compose {root} --into moe --name {COMPOSED} --overwrite", lambda: _compose(run)
+    models = ["base", *(f"path:{p}" for p in sorted(set(DOMAINS.values()))), f"composed:{COMPOSED}"]
+    yield f"paths eval {root} --dataset {DATASET} " + " ".join(f"--model {m}" for m in models), lambda: _eval(run, models)
     out = os.path.join(os.path.dirname(os.path.abspath(root)), f"quickstart-{PATH}")
     yield f"paths materialize {root} --path {PATH} --out {out}", lambda: materialize(run, PATH, out)
     yield f"AutoModelForCausalLM.from_pretrained({out!r})", lambda: _load(out)
@@ -204,3 +208,21 @@ def _grpo(run) -> str:
         f"                                         after  {fmt(after)}\n"
         "(a 189K-parameter model trained for seconds does not do arithmetic: the numbers show the loop, not skill)"
     )
+
+
+def _compose(run) -> str:
+    from compose.merge import compose_moe
+
+    record = compose_moe(run, COMPOSED, overwrite=True)
+    return f"composed {len(record['paths'])} trained paths into composed/{COMPOSED}: {len(record['tensors'])} tensors updated in {record['seconds']}s (loads with AutoModelForCausalLM)"
+
+
+def _eval(run, models: list[str]) -> str:
+    from cli.render import render_eval
+    from compose.evaluate import evaluate
+
+    result = evaluate(run, DATASET, models, split="train", max_tokens=20_000)
+    names = {p: f"{d}:{p}" for d, p in DOMAINS.items()}
+    result["shards"] = [names[s] for s in result["shards"] if s in names]
+    result["table"] = {m: {names.get(k, k): v for k, v in row.items()} for m, row in result["table"].items()}
+    return render_eval(result) + "\n(per domain: each domain's documents were routed to one path; train split, as the tiny corpus holds out few documents)"

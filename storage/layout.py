@@ -27,7 +27,7 @@ from storage.url import open_store
 FORMAT_VERSION = 1
 RUN_JSON = "run.json"
 COMMITTED = "COMMITTED"
-AREAS = ("base", "tokenizer", "paths", "router", "data", "claims", "work", "composed")
+AREAS = ("base", "tokenizer", "paths", "router", "data", "claims", "work", "composed", "eval", "rounds")
 _NAME = re.compile(r"[A-Za-z0-9._-]+")
 _CKPT = re.compile(r"ckpt-(\d+)")
 

@@ -206,6 +206,11 @@ class Store:
 
         self._call(key, go)
 
+    def copy(self, src: str, dst: str) -> None:
+        """Copy one object to another key (server-side on S3)."""
+        self._check_writable(dst)
+        self._call(dst, lambda: self.fs.copy(self.path(src), self.path(dst)))
+
     def delete_prefix(self, prefix: str) -> int:
         """Remove every object under prefix; returns how many there were."""
         self._check_writable(prefix)
@@ -287,6 +292,10 @@ class LocalStore(Store):
         head, tail = os.path.split(path)
         os.makedirs(head, exist_ok=True)
         return _FileLock(os.path.join(head, f"{HIDDEN_PREFIX}lock-{tail}"))
+
+    def copy(self, src: str, dst: str) -> None:
+        """Copy one object (atomically, folders created as needed)."""
+        self.upload(dst, self.path(src))
 
     def write(self, key: str, data: bytes) -> None:
         """Write to a temp file in the same folder, fsync, then rename over the target."""

@@ -1,0 +1,66 @@
+"""`paths compose`: trained paths back into one MoE checkpoint."""
+
+from __future__ import annotations
+
+import click
+
+run_arg = click.argument("run", envvar="PATHS_RUN")
+
+
+@click.command("compose")
+@run_arg
+@click.option("--into", type=click.Choice(["moe"]), default="moe", show_default=True, help="moe: one sparse MoE checkpoint of the base family.")
+@click.option("--name", required=True, help="Output: composed/NAME/.")
+@click.option("--paths", "select", help="Comma-separated path ids (default: every finished path).")
+@click.option("--outer-lr", default=1.0, show_default=True, help="Outer learning rate on the mean delta.")
+@click.option("--momentum", default=0.0, show_default=True, help="Nesterov momentum (0: none); state kept in composed/NAME/momentum.safetensors.")
+@click.option("--previous", help="The composed model of the previous round, whose momentum state continues.")
+@click.option("--weighting", type=click.Choice(["uniform", "tokens"]), default="uniform", show_default=True, help="Mean of deltas: uniform, or weighted by each path's trained tokens.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="Output dtype (default: the base's).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing composed/NAME/.")
+def compose(run, into, name, select, outer_lr, momentum, previous, weighting, dtype, overwrite) -> None:
+    """Merge trained paths into composed/NAME/ (loads with AutoModelForCausalLM)."""
+    from compose.merge import compose_moe
+    from storage.layout import open_run
+
+    paths = [p.strip() for p in select.split(",") if p.strip()] if select else None
+    record = compose_moe(open_run(run), name, paths=paths, outer_lr=outer_lr, momentum=momentum, weighting=weighting, previous=previous, dtype=dtype, overwrite=overwrite)
+    touched = len(record["tensors"])
+    click.echo(f"composed {len(record['paths'])} paths into {run}/composed/{name} ({touched} tensors updated) in {record['seconds']}s")
+
+
+@click.command("eval")
+@run_arg
+@click.option("--dataset", required=True, help="A dataset written by `paths shard` (documents: perplexity; prompts: answer accuracy).")
+@click.option("--model", "models", multiple=True, help="base, path:ID, composed:NAME or hf:DIR; repeatable (default: base and every composed model).")
+@click.option("--split", type=click.Choice(["heldout", "train"]), default="heldout", show_default=True)
+@click.option("--seq-len", default=256, show_default=True, help="Window length for perplexity.")
+@click.option("--max-tokens", default=50_000, show_default=True, help="Tokens scored per path shard at most.")
+@click.option("--json", "json_out", is_flag=True)
+def evaluate(run, dataset, models, split, seq_len, max_tokens, json_out) -> None:
+    """Score models on every path shard of a dataset; a table here, JSON in eval/ of the run."""
+    from cli.render import as_json, render_eval
+    from compose.evaluate import evaluate as do
+    from storage.layout import open_run
+
+    r = open_run(run)
+    if not models:
+        names = sorted({o.key.split("/")[1] for o in r.store.list("composed") if o.key.endswith("/manifest.json")})
+        models = ("base", *(f"composed:{n}" for n in names))
+    result = do(r, dataset, list(models), split=split, seq_len=seq_len, max_tokens=max_tokens)
+    click.echo(as_json(result) if json_out else render_eval(result))
+
+
+@click.command("next-round")
+@run_arg
+@click.option("--from", "source", required=True, help="composed:NAME, the model that becomes the next round's base.")
+def next_round(run: str, source: str) -> None:
+    """Start the next round from a composed model (earlier rounds move to rounds/r<N>/)."""
+    from compose.rounds import next_round as do
+    from storage.layout import open_run
+
+    kind, _, name = source.partition(":")
+    if kind != "composed" or not name:
+        raise click.BadParameter(f"{source!r}: use composed:NAME", param_hint="--from")
+    out = do(open_run(run), name)
+    click.echo(f"round {out['round']} started from composed/{name}: {out['paths']} paths decomposed again; round {out['round'] - 1} kept in {out['archive']}/")

@@ -1,0 +1,252 @@
+"""`paths compose --into moe`: merge trained paths back into one MoE checkpoint of the base family.
+
+For each tensor of base/, the finished paths that contain it give deltas from the base: an expert
+tensor of layer l, expert e comes from the paths whose choice at l's level is e (its dense MLP
+tensor in the path); a shared tensor from every finished path; routers from none (kept). Then
+
+    d = weighted mean of (path - base)            (outer gradient, negated)
+    m = momentum * m_previous + d                 (state kept in composed/<name>/momentum.safetensors)
+    new = base + outer_lr * (d + momentum * m)    (Nesterov; with momentum 0: base + outer_lr * d)
+
+so decompose -> train -> compose repeated is DiLoCo's outer loop. A tensor no path touched is the
+base's bytes. Tensors stream one at a time by ranged reads (local or S3): memory stays around one
+tensor per input. The output mirrors base/'s files (same tensor order), plus config, tokenizer and
+compose.json; its manifest is written last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Literal
+
+import torch
+
+from paths.errors import ConfigurationError, IntegrityError, NotFound
+from storage.layout import Run
+from storage.manifest import ArtifactWriter, read_manifest, read_verified, sha256_hex
+from storage.safetensors_io import OutTensor, TensorEntry, read_header, write_streaming
+
+DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+NAMES = {v: k for k, v in DTYPES.items()}
+Weighting = Literal["uniform", "tokens"]
+
+
+@dataclass(slots=True)
+class Trained:
+    """A finished path: its experts per layer, weight in the mean, and its tensors' locations."""
+
+    path: str
+    experts: list[int]
+    weight: float
+    tensors: dict[str, TensorEntry]
+    checksum: str
+
+
+def load_tensor(run: Run, entry: TensorEntry) -> torch.Tensor:
+    """One tensor by a ranged read."""
+    if entry.dtype not in DTYPES:
+        raise IntegrityError(f"{run.store.url_of(entry.key)}: tensor {entry.name} has unsupported dtype {entry.dtype}")
+    data = bytearray(run.store.read_range(entry.key, entry.begin, entry.end))
+    return torch.frombuffer(data, dtype=DTYPES[entry.dtype]).reshape(entry.shape) if data else torch.zeros(entry.shape, dtype=DTYPES[entry.dtype])
+
+
+def finished_paths(run: Run) -> list[str]:
+    """Paths with a committed work/<path>/final/."""
+    from paths.decompose import decomposed_paths
+
+    _, ids = decomposed_paths(run)
+    return [p for p in ids if run.store.exists(f"{run.final(p)}/manifest.json")]
+
+
+def _trained(run: Run, pid: str, base_checksum: str, weighting: Weighting) -> Trained:
+    prefix = run.final(pid)
+    try:
+        manifest = read_manifest(run.store, prefix)
+    except NotFound:
+        raise ConfigurationError(f"path {pid} is not finished (no {run.store.url_of(prefix)}/manifest.json): train it, or leave it out of --paths") from None
+    info = json.loads(read_verified(run.store, prefix, "path.json"))
+    if info["base_checksum"] != base_checksum:
+        raise IntegrityError(f"path {pid} was trained from another base (checksum {info['base_checksum'][:12]}, this run's is {base_checksum[:12]}): leave it out or compose in its own run")
+    provenance = json.loads(read_verified(run.store, prefix, "provenance.json"))
+    tensors, _, _ = read_header(run.store, f"{prefix}/model.safetensors")
+    weight = float(provenance.get("tokens", 0)) if weighting == "tokens" else 1.0
+    if weighting == "tokens" and weight <= 0:
+        raise ConfigurationError(f"path {pid} records no trained tokens: use --weighting uniform")
+    return Trained(pid, info["experts"], weight, tensors, sha256_hex(json.dumps(manifest["files"], sort_keys=True).encode()))
+
+
+def _sources(family, name: str, trained: list[Trained]) -> list[tuple[Trained, str, slice | None]]:
+    """(path, its tensor name, slice of the base tensor or None) for each path containing `name`."""
+    role = family.classify(name)
+    if role.kind == "router":
+        return []
+    if role.kind == "shared":
+        return [(t, name, None) for t in trained]
+    if role.kind == "expert":
+        return [(t, family.dense_mlp(role.layer, role.part), None) for t in trained if t.experts[role.layer] == role.expert]
+    raise AssertionError("fused tensors are handled per expert slice")
+
+
+def _check_shape(run: Run, t: Trained, dense: str, shape: tuple[int, ...]) -> TensorEntry:
+    entry = t.tensors.get(dense)
+    if entry is None:
+        raise IntegrityError(f"path {t.path}'s final/ has no tensor {dense}: it does not match this run's family")
+    if tuple(entry.shape) != tuple(shape):
+        raise IntegrityError(f"path {t.path}: tensor {dense} has shape {list(entry.shape)}, the base's is {list(shape)}: it was trained from another model")
+    return entry
+
+
+def merged(run: Run, family, base: TensorEntry, trained: list[Trained], outer_lr: float, momentum: float, m_prev: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, list[str]]:
+    """(new tensor, new momentum or None, contributing paths) of one base tensor."""
+    role = family.classify(base.name)
+    base_t = load_tensor(run, base)
+    if role.kind == "fused":  # [E, ...]: each expert slice from the paths choosing it
+        delta = torch.zeros(base_t.shape, dtype=torch.float32)
+        used: set[str] = set()
+        for e in range(base_t.shape[0]):
+            d, names = _mean_delta(run, family, base_t[e].float(), _fused_sources(family, role, e, trained, base_t[e].shape, run))
+            if d is not None:
+                delta[e] = d
+                used.update(names)
+        touched = sorted(used)
+    else:
+        d, touched = _mean_delta(run, family, base_t.float(), [(t, _check_shape(run, t, n, base_t.shape), s) for t, n, s in _sources(family, base.name, trained)])
+        delta = d
+    if not touched:
+        return base_t, None, []
+    m = delta if m_prev is None else momentum * m_prev + delta
+    update = delta + momentum * m if momentum > 0 else delta
+    return (base_t.float() + outer_lr * update).to(out_dtype), (m if momentum > 0 else None), touched
+
+
+def _fused_sources(family, role, e: int, trained: list[Trained], shape, run: Run):
+    out = []
+    for t in trained:
+        if t.experts[role.layer] != e:
+            continue
+        if role.part == "gate_up":  # [2I, H] = gate rows then up rows
+            gate = _check_shape(run, t, family.dense_mlp(role.layer, "gate"), (shape[0] // 2, shape[1]))
+            up = _check_shape(run, t, family.dense_mlp(role.layer, "up"), (shape[0] // 2, shape[1]))
+            out.append((t, (gate, up), None))
+        else:
+            out.append((t, _check_shape(run, t, family.dense_mlp(role.layer, "down"), tuple(shape)), None))
+    return out
+
+
+def _mean_delta(run: Run, family, base_f: torch.Tensor, sources) -> tuple[torch.Tensor | None, list[str]]:
+    """Weighted mean of (path tensor - base) in float32, reading one path tensor at a time."""
+    if not sources:
+        return None, []
+    total, weight = torch.zeros_like(base_f), 0.0
+    for t, entry, _ in sources:
+        value = torch.cat([load_tensor(run, x).float() for x in entry]) if isinstance(entry, tuple) else load_tensor(run, entry).float()
+        total += t.weight * (value - base_f)
+        weight += t.weight
+    return total / weight, [t.path for t, _, _ in sources]
+
+
+def compose_moe(
+    run: Run,
+    name: str,
+    *,
+    paths: list[str] | None = None,
+    outer_lr: float = 1.0,
+    momentum: float = 0.0,
+    weighting: Weighting = "uniform",
+    previous: str | None = None,
+    dtype: str | None = None,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Write composed/<name>/ (HF MoE checkpoint + compose.json); returns compose.json."""
+    from safetensors.torch import load as st_load, save as st_save
+
+    from paths.base import require_base
+    from paths.decompose import run_plan
+
+    meta = require_base(run)
+    _, family, _ = run_plan(run)
+    prefix = run.composed(name)
+    if run.store.exists(f"{prefix}/manifest.json"):
+        if not overwrite:
+            raise ConfigurationError(f"{run.store.url_of(prefix)} already exists: pass --overwrite or choose another --name")
+        run.store.delete_prefix(prefix)
+    if not 0 <= momentum < 1 or outer_lr <= 0:
+        raise ConfigurationError(f"--momentum must be in [0, 1) and --outer-lr > 0, got {momentum} and {outer_lr}")
+    ids = paths if paths else finished_paths(run)
+    if not ids:
+        raise ConfigurationError(f"no finished path in {run.url}: train some (`paths claim && paths train`) or name them with --paths")
+    trained = [_trained(run, pid, meta["base"]["checksum"], weighting) for pid in ids]
+    m_prev: dict[str, torch.Tensor] = {}
+    if previous:
+        m_prev = st_load(read_verified(run.store, run.composed(previous), "momentum.safetensors")) if momentum > 0 else {}
+    out_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype) if dtype else None
+    if dtype and out_dtype is None:
+        raise ConfigurationError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+
+    t0 = time.perf_counter()
+    base_files = read_manifest(run.store, run.base)["files"]
+    tmp = tempfile.mkdtemp(prefix="paths-compose-")
+    fed: dict[str, list[str]] = {}
+    new_momentum: dict[str, torch.Tensor] = {}
+    try:
+        for fname in base_files:
+            if not fname.endswith(".safetensors"):
+                continue
+            entries, metadata, _ = read_header(run.store, f"{run.base}/{fname}")
+            order = sorted(entries.values(), key=lambda e: e.begin)
+
+            def tensors() -> Iterator[bytes]:
+                for entry in order:
+                    target = out_dtype or DTYPES[entry.dtype]
+                    new, m, used = merged(run, family, entry, trained, outer_lr, momentum, m_prev.get(entry.name), target)
+                    if used:
+                        fed[entry.name] = used
+                        if m is not None:
+                            new_momentum[entry.name] = m.contiguous()
+                    yield new.to(target).contiguous().view(torch.uint8).numpy().tobytes() if new.numel() else b""
+
+            out_tensors = [OutTensor(e.name, NAMES[out_dtype] if out_dtype else e.dtype, e.shape, _nbytes(e, out_dtype)) for e in order]
+            with open(os.path.join(tmp, fname), "wb") as f:
+                write_streaming(f, out_tensors, tensors(), metadata)
+        if out_dtype is not None and any(f.endswith(".index.json") for f in base_files):
+            raise ConfigurationError("--dtype with a sharded base is not supported yet: compose in the base's dtype")
+        writer = ArtifactWriter(run.store, prefix)
+        for fname in base_files:
+            if fname.endswith(".safetensors"):
+                writer.upload(fname, os.path.join(tmp, fname))
+            else:
+                data = read_verified(run.store, run.base, fname)
+                if fname == "config.json" and out_dtype is not None:
+                    data = json.dumps({**json.loads(data), "dtype": dtype, "torch_dtype": dtype}, indent=2).encode()
+                writer.write(fname, data)
+        for fname in read_manifest(run.store, run.tokenizer)["files"]:
+            writer.write(fname, read_verified(run.store, run.tokenizer, fname))
+        if new_momentum:
+            writer.write("momentum.safetensors", st_save(new_momentum))
+        everyone = sorted(t.path for t in trained)
+        record = {
+            "name": name, "into": "moe", "base_checksum": meta["base"]["checksum"], "family": family.name,
+            "options": {"outer_lr": outer_lr, "momentum": momentum, "weighting": weighting, "previous": previous, "dtype": dtype},
+            "paths": {t.path: {"final_checksum": t.checksum, "weight": t.weight} for t in trained},
+            "tensors": {k: ("all" if v == everyone else v) for k, v in sorted(fed.items())},
+            "seconds": round(time.perf_counter() - t0, 3), "at": time.time(),
+        }
+        writer.write_json("compose.json", record)
+        writer.commit(kind="composed", into="moe", name=name)
+        return record
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _nbytes(entry: TensorEntry, out_dtype: torch.dtype | None) -> int:
+    if out_dtype is None:
+        return entry.nbytes
+    n = 1
+    for s in entry.shape:
+        n *= s
+    return n * torch.tensor([], dtype=out_dtype).element_size()

@@ -1,0 +1,1 @@
+from tests.sharding.conftest import corpus, run2  # noqa: F401  (shared fixtures)
