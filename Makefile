@@ -32,13 +32,13 @@ quickstart: install
 
 # MosaicML streaming (a peer in bench/shard.py) pins transformers<5 and numpy<2.2: installed
 # without its dependencies, plus the ones its reader and writer import.
-# TRL (bench/grpo.py) comes with its dependencies. The packages the project runs on stay at the
+# TRL (bench/grpo.py) and mergekit (bench/compose.py) come with their dependencies. The packages the project runs on stay at the
 # versions installed (botocore where s3fs's aiobotocore wants it; boto3 follows).
 PINNED := botocore|fsspec|s3fs|aiobotocore|numpy|transformers|accelerate|zarr|pyarrow|tokenizers
 $(VENV)/.bench: $(VENV)/.installed
 	@$(PY) -m pip freeze | grep -iE '^($(PINNED))==' | cat - $(VENV)/constraints.txt > $(VENV)/constraints-bench.txt
 	$(PY) -m pip install -q -c $(VENV)/constraints-bench.txt --no-deps mosaicml-streaming==0.13.0
-	$(PY) -m pip install -q -c $(VENV)/constraints-bench.txt xxhash zstd python-snappy Brotli catalogue boto3 pillow trl
+	$(PY) -m pip install -q -c $(VENV)/constraints-bench.txt xxhash zstd python-snappy Brotli catalogue boto3 pillow trl mergekit
 	@touch $@
 
 bench: install $(VENV)/.bench
@@ -47,6 +47,7 @@ bench: install $(VENV)/.bench
 	$(PY) bench/shard.py
 	$(PY) bench/train.py
 	$(PY) bench/grpo.py
+	$(PY) bench/compose.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -16,20 +16,22 @@ compose.json; its manifest is written last.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import torch
 
 from paths.errors import ConfigurationError, IntegrityError, NotFound
 from storage.layout import Run
 from storage.manifest import ArtifactWriter, read_manifest, read_verified, sha256_hex
-from storage.safetensors_io import OutTensor, TensorEntry, read_header, write_streaming
+from storage.safetensors_io import OutTensor, TensorEntry, header_bytes, read_header
 
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 NAMES = {v: k for k, v in DTYPES.items()}
@@ -161,8 +163,11 @@ def compose_moe(
     previous: str | None = None,
     dtype: str | None = None,
     overwrite: bool = False,
+    router: Literal["keep", "centroid"] = "keep",
+    router_data: str | None = None,
 ) -> dict[str, Any]:
-    """Write composed/<name>/ (HF MoE checkpoint + compose.json); returns compose.json."""
+    """Write composed/<name>/ (HF MoE checkpoint + compose.json); returns compose.json.
+    `router="centroid"` re-initialises the routers from `router_data` (a documents dataset)."""
     from safetensors.torch import load as st_load, save as st_save
 
     from paths.base import require_base
@@ -175,6 +180,10 @@ def compose_moe(
         if not overwrite:
             raise ConfigurationError(f"{run.store.url_of(prefix)} already exists: pass --overwrite or choose another --name")
         run.store.delete_prefix(prefix)
+    if router not in ("keep", "centroid"):
+        raise ConfigurationError(f"--router must be keep or centroid, got {router!r}")
+    if router == "centroid" and not router_data:
+        raise ConfigurationError("--router centroid needs --router-data DATASET (the documents the paths were trained on)")
     if not 0 <= momentum < 1 or outer_lr <= 0:
         raise ConfigurationError(f"--momentum must be in [0, 1) and --outer-lr > 0, got {momentum} and {outer_lr}")
     ids = paths if paths else finished_paths(run)
@@ -190,8 +199,9 @@ def compose_moe(
 
     t0 = time.perf_counter()
     base_files = read_manifest(run.store, run.base)["files"]
-    tmp = tempfile.mkdtemp(prefix="paths-compose-")
+    tmp = _scratch(run)
     fed: dict[str, list[str]] = {}
+    hashes: dict[str, str] = {}
     new_momentum: dict[str, torch.Tensor] = {}
     try:
         for fname in base_files:
@@ -200,25 +210,55 @@ def compose_moe(
             entries, metadata, _ = read_header(run.store, f"{run.base}/{fname}")
             order = sorted(entries.values(), key=lambda e: e.begin)
 
-            def tensors() -> Iterator[bytes]:
-                for entry in order:
-                    target = out_dtype or DTYPES[entry.dtype]
-                    new, m, used = merged(run, family, entry, trained, outer_lr, momentum, m_prev.get(entry.name), target)
-                    if used:
-                        fed[entry.name] = used
-                        if m is not None:
-                            new_momentum[entry.name] = m.contiguous()
-                    yield new.to(target).contiguous().view(torch.uint8).numpy().tobytes() if new.numel() else b""
+            def compute(entry: TensorEntry) -> bytes:
+                target = out_dtype or DTYPES[entry.dtype]
+                new, m, used = merged(run, family, entry, trained, outer_lr, momentum, m_prev.get(entry.name), target)
+                if used:
+                    fed[entry.name] = used
+                    if m is not None:
+                        new_momentum[entry.name] = m.contiguous()
+                return new.to(target).contiguous().view(torch.uint8).numpy().tobytes() if new.numel() else b""
 
             out_tensors = [OutTensor(e.name, NAMES[out_dtype] if out_dtype else e.dtype, e.shape, _nbytes(e, out_dtype)) for e in order]
-            with open(os.path.join(tmp, fname), "wb") as f:
-                write_streaming(f, out_tensors, tensors(), metadata)
+            digest = hashlib.sha256()
+            with open(os.path.join(tmp, fname), "wb") as f, ThreadPoolExecutor(1) as pool:
+                header = header_bytes(out_tensors, metadata)
+                f.write(header)
+                digest.update(header)
+                # The next tensor is merged while this one is hashed and written (torch, hashing
+                # and file writes release the GIL); memory stays ~ two tensors per input.
+                pending = pool.submit(compute, order[0]) if order else None
+                for i in range(len(order)):
+                    data = pending.result()
+                    pending = pool.submit(compute, order[i + 1]) if i + 1 < len(order) else None
+                    digest.update(data)
+                    f.write(data)
+            hashes[fname] = digest.hexdigest()
         if out_dtype is not None and any(f.endswith(".index.json") for f in base_files):
             raise ConfigurationError("--dtype with a sharded base is not supported yet: compose in the base's dtype")
+        weight_files = [f for f in base_files if f.endswith(".safetensors")]
+        routed = None
+        if router == "centroid":
+            from compose.router_init import apply_centroids
+            from paths.decompose import run_plan as _plan
+
+            for fname in base_files:
+                if not fname.endswith(".safetensors"):
+                    with open(os.path.join(tmp, fname), "wb") as f:
+                        f.write(read_verified(run.store, run.base, fname))
+            routed = apply_centroids(run, tmp, family, _plan(run)[0], router_data, weight_files)
+            for fname in weight_files:  # the routers changed in place: hash the files again
+                digest = hashlib.sha256()
+                with open(os.path.join(tmp, fname), "rb") as f:
+                    while block := f.read(8 << 20):
+                        digest.update(block)
+                hashes[fname] = digest.hexdigest()
         writer = ArtifactWriter(run.store, prefix)
         for fname in base_files:
-            if fname.endswith(".safetensors"):
-                writer.upload(fname, os.path.join(tmp, fname))
+            if fname.endswith(".safetensors"):  # hashed while written: moved in, not read again
+                local = os.path.join(tmp, fname)
+                writer.files[fname] = {"bytes": os.path.getsize(local), "sha256": hashes[fname]}
+                run.store.move_in(f"{prefix}/{fname}", local)
             else:
                 data = read_verified(run.store, run.base, fname)
                 if fname == "config.json" and out_dtype is not None:
@@ -231,7 +271,8 @@ def compose_moe(
         everyone = sorted(t.path for t in trained)
         record = {
             "name": name, "into": "moe", "base_checksum": meta["base"]["checksum"], "family": family.name,
-            "options": {"outer_lr": outer_lr, "momentum": momentum, "weighting": weighting, "previous": previous, "dtype": dtype},
+            "options": {"outer_lr": outer_lr, "momentum": momentum, "weighting": weighting, "previous": previous, "dtype": dtype, "router": router, "router_data": router_data},
+            "router_documents": routed,
             "paths": {t.path: {"final_checksum": t.checksum, "weight": t.weight} for t in trained},
             "tensors": {k: ("all" if v == everyone else v) for k, v in sorted(fed.items())},
             "seconds": round(time.perf_counter() - t0, 3), "at": time.time(),
@@ -241,6 +282,15 @@ def compose_moe(
         return record
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _scratch(run: Run) -> str:
+    """A temp folder; on a local run, inside it (hidden), so finished files are renamed into place."""
+    from storage.store import HIDDEN_PREFIX, LocalStore
+
+    if isinstance(run.store, LocalStore):
+        return tempfile.mkdtemp(prefix=f"{HIDDEN_PREFIX}compose-", dir=run.store.root)
+    return tempfile.mkdtemp(prefix="paths-compose-")
 
 
 def _nbytes(entry: TensorEntry, out_dtype: torch.dtype | None) -> int:

@@ -32,14 +32,14 @@ def sha256_of(store: Store, key: str) -> str:
     return h.hexdigest()
 
 
-def upload_file(store: Store, key: str, local_path: str) -> dict[str, Any]:
-    """Copy a local file to a key; its manifest entry {"bytes", "sha256"}."""
+def upload_file(store: Store, key: str, local_path: str, move: bool = False) -> dict[str, Any]:
+    """Copy (or move) a local file to a key; its manifest entry {"bytes", "sha256"}."""
     h, n = hashlib.sha256(), 0
     with open(local_path, "rb") as f:
         while block := f.read(8 << 20):
             h.update(block)
             n += len(block)
-    store.upload(key, local_path)
+    (store.move_in if move else store.upload)(key, local_path)
     return {"bytes": n, "sha256": h.hexdigest()}
 
 
@@ -64,9 +64,9 @@ class ArtifactWriter:
         """Write a JSON file (sorted keys, so equal content gives equal bytes)."""
         self.write(name, json.dumps(obj, indent=2, sort_keys=True).encode() + b"\n")
 
-    def upload(self, name: str, local_path: str) -> None:
-        """Copy a local file in and record its size and hash."""
-        self.files[name] = upload_file(self.store, _join(self.prefix, name), local_path)
+    def upload(self, name: str, local_path: str, move: bool = False) -> None:
+        """Copy (or with `move`, rename when possible) a local file in; record its size and hash."""
+        self.files[name] = upload_file(self.store, _join(self.prefix, name), local_path, move)
 
     def commit(self, **extra: Any) -> dict[str, Any]:
         """Write manifest.json; until then, readers treat the artifact as absent."""

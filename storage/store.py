@@ -178,7 +178,7 @@ class Store:
             if info.get("type") == "directory":  # some S3 servers list empty "folders"
                 continue
             key = self._rel(path)
-            if key.rsplit("/", 1)[-1].startswith(HIDDEN_PREFIX):
+            if any(part.startswith(HIDDEN_PREFIX) for part in key.split("/")):  # temp files and folders
                 continue
             out.append(ObjectInfo(key=key, size=int(info.get("size") or 0), mtime=_mtime(info)))
         return sorted(out, key=lambda o: o.key)
@@ -193,6 +193,11 @@ class Store:
         """Copy a local file to key atomically (multipart uploads appear only when complete)."""
         self._check_writable(key)
         self._call(key, lambda: self.fs.put_file(local_path, self.path(key)))
+
+    def move_in(self, key: str, local_path: str) -> None:
+        """Like upload, and the local file is gone afterwards (a rename when it can be)."""
+        self.upload(key, local_path)
+        os.remove(local_path)
 
     def delete(self, key: str) -> None:
         """Remove one object; removing a missing one is not an error (as on S3)."""
@@ -306,6 +311,18 @@ class LocalStore(Store):
             os.replace(self._write_tmp(path, data), path)
 
         self._call(key, go)
+
+    def move_in(self, key: str, local_path: str) -> None:
+        """Rename the file into place when it is on the same filesystem (fsynced first), else copy."""
+        self._check_writable(key)
+        path = self.path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if os.stat(local_path).st_dev != os.stat(os.path.dirname(path)).st_dev:
+            super().move_in(key, local_path)
+            return
+        with open(local_path, "rb+") as f:
+            os.fsync(f.fileno())
+        self._call(key, lambda: os.replace(local_path, path))
 
     def upload(self, key: str, local_path: str) -> None:
         """Copy through a temp file in the target folder, then rename."""

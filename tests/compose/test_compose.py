@@ -181,3 +181,47 @@ def test_next_round_makes_the_composed_model_the_base(run2, tmp_path):
     assert verify(run2).ok
     result = CliRunner().invoke(main, ["next-round", run2.url, "--from", "r1"])
     assert result.exit_code == 2
+
+
+def test_centroid_routers_send_tokens_where_their_documents_trained(run2, corpus, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from paths.families import fill, get_family
+    from paths.plan import Plan
+    from sharding.dataset import read_documents
+    from sharding.shard import ShardOptions, shard
+
+    mapping = {"code": "p00-01", "math": "p02-03", "prose": "p03-00"}
+    (tmp_path / "map.json").write_text(json.dumps(mapping))
+    shard(run2, ShardOptions(dataset="dom", inputs=corpus, router="domain", domain_field="domain", domain_map=str(tmp_path / "map.json"), holdout=0.0))
+    for pid in mapping.values():
+        finish(run2, pid, tmp_path)
+    compose_moe(run2, "keep")
+    record = compose_moe(run2, "centroid", router="centroid", router_data="dom")
+    assert record["router_documents"] == {p: 64 for p in sorted(mapping.values())}
+    family, plan = get_family("mixtral"), Plan(4, 4, 2)
+
+    def agreement(name: str) -> float:
+        model = AutoModelForCausalLM.from_pretrained(run2.store.path(f"composed/{name}")).eval()
+        hits, total = 0, 0
+        for pid in mapping.values():
+            experts = plan.experts_per_layer(pid)
+            for ids in read_documents(run2, "dom", pid)[:20]:
+                captured = {}
+                hooks = [model.get_submodule(fill(family.router["memory"], l).rsplit(".", 1)[0]).register_forward_hook(
+                    lambda m, a, o, l=l: captured.__setitem__(l, o[0] if isinstance(o, tuple) else o)) for l in range(4)]
+                with torch.no_grad():
+                    model(input_ids=torch.from_numpy(ids[:128].astype("int64")).unsqueeze(0))
+                for h in hooks:
+                    h.remove()
+                for l in range(4):
+                    top = captured[l].argmax(-1)
+                    hits += int((top == experts[l]).sum())
+                    total += top.numel()
+        return hits / total
+
+    from storage.admin import verify
+
+    assert verify(run2).ok  # the patched routers are what the manifest lists
+    kept, centroid = agreement("keep"), agreement("centroid")
+    assert centroid > kept + 0.2 and centroid > 0.5, (kept, centroid)
