@@ -66,7 +66,7 @@ def stages(root: str = DEFAULT_ROOT) -> Iterator[Stage]:
     out = os.path.join(os.path.dirname(os.path.abspath(root)), f"quickstart-{PATH}")
     yield f"paths materialize {root} --path {PATH} --out {out}", lambda: materialize(run, PATH, out)
     yield f"AutoModelForCausalLM.from_pretrained({out!r})", lambda: _load(out)
-    yield f"paths storage ls {root}", lambda: admin.ls(run)
+    yield f"paths storage ls {root} --prefix composed/{COMPOSED}", lambda: admin.ls(run, f"composed/{COMPOSED}")
     yield f"paths storage du {root}", lambda: admin.du(run)
     yield f"paths storage verify {root}", lambda: admin.verify(run)
 
