@@ -211,3 +211,34 @@ def test_bad_input_is_one_line_and_exit_1(run2, corpus, tmp_path, monkeypatch):
     mapping.write_text(json.dumps({"code": "p03-03", "math": "p03-03", "prose": "p03-03"}))
     shard(run2, ShardOptions(dataset="one", inputs=corpus, router="domain", domain_field="domain", domain_map=str(mapping)))
     assert "no training tokens for path p00-01" in run_cli("train", run2.url, "--dataset", "one", "--steps", "1")
+
+
+@pytest.mark.s3
+def test_claim_train_resume_and_compose_on_seaweedfs(seaweed, bucket, tokenizer_dir, tmp_path, monkeypatch):
+    from paths import checkpoint
+    from compose.merge import compose_moe
+
+    monkeypatch.setenv("PATHS_HOME", str(tmp_path / "home"))
+    options = seaweed.storage_options
+    run = make_run(f"s3://{bucket}/train-{tmp_path.name}", tokenizer_dir, 2, options)
+    shard(run, ShardOptions(dataset="lm", inputs=[write_jsonl(str(tmp_path / "a.jsonl"), docs(200))], holdout=0.0), storage_options=options)
+    cfg = load_config(sets=["seq_len=16", "batch_size=2", "keep_checkpoints=2"], steps=6, checkpoint_every=2)
+    lease = claim(run, ["p02-02"], ttl=30, worker="w")
+    real = checkpoint.prune
+
+    def crash(*a, **k):
+        real(*a, **k)
+        raise KeyboardInterrupt("killed after the first checkpoint")
+
+    monkeypatch.setattr(checkpoint, "prune", crash)
+    with pytest.raises(KeyboardInterrupt):
+        train(run, "p02-02", "lm", "lm", cfg, lease, show_progress=False)
+    monkeypatch.setattr(checkpoint, "prune", real)
+    assert [s for s, c in run.checkpoints("p02-02") if c] == [2]
+    out = train(run, "p02-02", "lm", "lm", cfg, lease, show_progress=False)
+    assert out["resumed_from"] == 2 and read_claim(run, "p02-02")[0]["state"] == "done"
+    record = compose_moe(run, "s3")
+    assert list(record["paths"]) == ["p02-02"]
+    from storage.admin import verify
+
+    assert verify(run).ok
