@@ -22,6 +22,8 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -36,6 +38,7 @@ from storage.safetensors_io import OutTensor, TensorEntry, header_bytes, read_he
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 NAMES = {v: k for k, v in DTYPES.items()}
 Weighting = Literal["uniform", "tokens"]
+AHEAD = 2  # tensors merged ahead of the one being written
 
 
 @dataclass(slots=True)
@@ -53,8 +56,12 @@ def load_tensor(run: Run, entry: TensorEntry) -> torch.Tensor:
     """One tensor by a ranged read."""
     if entry.dtype not in DTYPES:
         raise IntegrityError(f"{run.store.url_of(entry.key)}: tensor {entry.name} has unsupported dtype {entry.dtype}")
-    data = bytearray(run.store.read_range(entry.key, entry.begin, entry.end))
-    return torch.frombuffer(data, dtype=DTYPES[entry.dtype]).reshape(entry.shape) if data else torch.zeros(entry.shape, dtype=DTYPES[entry.dtype])
+    data = run.store.read_range(entry.key, entry.begin, entry.end)
+    if not data:
+        return torch.zeros(entry.shape, dtype=DTYPES[entry.dtype])
+    with warnings.catch_warnings():  # read-only view of the bytes: nothing writes to it, no copy
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(data, dtype=DTYPES[entry.dtype]).reshape(entry.shape)
 
 
 def finished_paths(run: Run) -> list[str]:
@@ -144,12 +151,15 @@ def _mean_delta(run: Run, family, base_f: torch.Tensor, sources) -> tuple[torch.
     """Weighted mean of (path tensor - base) in float32, reading one path tensor at a time."""
     if not sources:
         return None, []
-    total, weight = torch.zeros_like(base_f), 0.0
+    total, weight = None, 0.0
     for t, entry, _ in sources:
         value = torch.cat([load_tensor(run, x).float() for x in entry]) if isinstance(entry, tuple) else load_tensor(run, entry).float()
-        total += t.weight * (value - base_f)
+        delta = torch.sub(value, base_f)
+        if t.weight != 1.0:
+            delta.mul_(t.weight)
+        total = delta if total is None else total.add_(delta)
         weight += t.weight
-    return total / weight, [t.path for t, _, _ in sources]
+    return total.div_(weight), [t.path for t, _, _ in sources]
 
 
 def compose_moe(
@@ -210,27 +220,28 @@ def compose_moe(
             entries, metadata, _ = read_header(run.store, f"{run.base}/{fname}")
             order = sorted(entries.values(), key=lambda e: e.begin)
 
-            def compute(entry: TensorEntry) -> bytes:
+            def compute(entry: TensorEntry):
                 target = out_dtype or DTYPES[entry.dtype]
                 new, m, used = merged(run, family, entry, trained, outer_lr, momentum, m_prev.get(entry.name), target)
                 if used:
                     fed[entry.name] = used
                     if m is not None:
                         new_momentum[entry.name] = m.contiguous()
-                return new.to(target).contiguous().view(torch.uint8).numpy().tobytes() if new.numel() else b""
+                return new.to(target).contiguous().view(torch.uint8).numpy() if new.numel() else b""  # buffer, not a copy
 
             out_tensors = [OutTensor(e.name, NAMES[out_dtype] if out_dtype else e.dtype, e.shape, _nbytes(e, out_dtype)) for e in order]
             digest = hashlib.sha256()
-            with open(os.path.join(tmp, fname), "wb") as f, ThreadPoolExecutor(1) as pool:
+            with open(os.path.join(tmp, fname), "wb") as f, ThreadPoolExecutor(AHEAD) as pool:
                 header = header_bytes(out_tensors, metadata)
                 f.write(header)
                 digest.update(header)
-                # The next tensor is merged while this one is hashed and written (torch, hashing
-                # and file writes release the GIL); memory stays ~ two tensors per input.
-                pending = pool.submit(compute, order[0]) if order else None
+                # The next tensors are merged while this one is hashed and written (torch, hashing
+                # and file writes release the GIL); memory stays ~ AHEAD + 1 tensors per input.
+                pending = deque(pool.submit(compute, e) for e in order[:AHEAD])
                 for i in range(len(order)):
-                    data = pending.result()
-                    pending = pool.submit(compute, order[i + 1]) if i + 1 < len(order) else None
+                    data = pending.popleft().result()
+                    if i + AHEAD < len(order):
+                        pending.append(pool.submit(compute, order[i + AHEAD]))
                     digest.update(data)
                     f.write(data)
             hashes[fname] = digest.hexdigest()
