@@ -86,3 +86,4 @@ def claims_cmd(url: str, as_json_: bool) -> None:
     """List lease records."""
     records = admin.claims(open_run(url))
     click.echo(as_json(records) if as_json_ else render_claims(records))
+

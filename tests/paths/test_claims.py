@@ -100,5 +100,6 @@ def test_release_and_status_cli(run2, tmp_path, monkeypatch):
     assert result.exit_code == 3 and "nothing to claim" in result.stderr
     result = runner.invoke(main, ["storage", "claims", run2.url])
     assert "p02-02" in result.stdout and "failed" in result.stdout
-    release(run2, "p02-02", "open")
+    result = runner.invoke(main, ["storage", "release", run2.url, "--path", "p02-02"])
+    assert result.exit_code == 0 and read_claim(run2, "p02-02")[0]["state"] == "open"
     assert claim(run2, ["p02-02"], ttl=5).generation == 2
