@@ -56,9 +56,20 @@ def load_tensor(run: Run, entry: TensorEntry) -> torch.Tensor:
     """One tensor by a ranged read."""
     if entry.dtype not in DTYPES:
         raise IntegrityError(f"{run.store.url_of(entry.key)}: tensor {entry.name} has unsupported dtype {entry.dtype}")
-    data = run.store.read_range(entry.key, entry.begin, entry.end)
-    if not data:
+    from storage.store import LocalStore
+
+    if entry.begin == entry.end:
         return torch.zeros(entry.shape, dtype=DTYPES[entry.dtype])
+    if isinstance(run.store, LocalStore):  # a read-only map of the file: no copy at all
+        import numpy as np
+
+        raw = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}[entry.dtype]
+        mapped = np.memmap(run.store.path(entry.key), dtype=raw, mode="r", offset=entry.begin, shape=tuple(entry.shape))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            t = torch.from_numpy(mapped)
+        return t.view(torch.bfloat16) if entry.dtype == "BF16" else t
+    data = run.store.read_range(entry.key, entry.begin, entry.end)
     with warnings.catch_warnings():  # read-only view of the bytes: nothing writes to it, no copy
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         return torch.frombuffer(data, dtype=DTYPES[entry.dtype]).reshape(entry.shape)
@@ -231,19 +242,21 @@ def compose_moe(
 
             out_tensors = [OutTensor(e.name, NAMES[out_dtype] if out_dtype else e.dtype, e.shape, _nbytes(e, out_dtype)) for e in order]
             digest = hashlib.sha256()
-            with open(os.path.join(tmp, fname), "wb") as f, ThreadPoolExecutor(AHEAD) as pool:
+            with open(os.path.join(tmp, fname), "wb") as f, ThreadPoolExecutor(AHEAD) as pool, ThreadPoolExecutor(1) as hasher:
                 header = header_bytes(out_tensors, metadata)
                 f.write(header)
                 digest.update(header)
-                # The next tensors are merged while this one is hashed and written (torch, hashing
-                # and file writes release the GIL); memory stays ~ AHEAD + 1 tensors per input.
+                # The next tensors are merged while this one is hashed and written, each in its own
+                # thread (torch, hashing and file writes release the GIL); memory stays ~ AHEAD + 1
+                # tensors per input.
                 pending = deque(pool.submit(compute, e) for e in order[:AHEAD])
                 for i in range(len(order)):
                     data = pending.popleft().result()
                     if i + AHEAD < len(order):
                         pending.append(pool.submit(compute, order[i + AHEAD]))
-                    digest.update(data)
+                    hashed = hasher.submit(digest.update, data)
                     f.write(data)
+                    hashed.result()
             hashes[fname] = digest.hexdigest()
         if out_dtype is not None and any(f.endswith(".index.json") for f in base_files):
             raise ConfigurationError("--dtype with a sharded base is not supported yet: compose in the base's dtype")
