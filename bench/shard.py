@@ -208,12 +208,12 @@ def main() -> None:
     # Reading: all documents on one path (domain router, one map), so an epoch is long enough.
     mapping = os.path.join(args.work, "all-to-one.json")
     json.dump({"code": "p00-00", "math": "p00-00", "prose": "p00-00"}, open(mapping, "w"))
-    from sharding.dataset import read_documents
+    from sharding.dataset import read_tokens
     from sharding.shard import ShardOptions, shard
 
     opts = ShardOptions(dataset="read", inputs=files, id_field="id", router="domain", domain_field="domain", domain_map=mapping, holdout=0.0)
     shard(run, opts)
-    stream = np.concatenate(read_documents(run, "read", "p00-00"))
+    stream = read_tokens(run, "read", "p00-00")
     n_mds = windows_mds(stream, args.seq_len, os.path.join(args.work, "mds-read"))
     n_ours, ours_s = read_ours(run, "read", "p00-00", args.seq_len)
     n_theirs, theirs_s = read_mds(args.seq_len, os.path.join(args.work, "mds-read"))

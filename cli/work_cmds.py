@@ -56,28 +56,15 @@ def claim(run: str, path_id, ttl: float, worker) -> None:
 @click.option("--iterations", type=int, help="grpo: optimizer steps per rollout.")
 def train(run, path_id, mode, dataset, steps, checkpoint_every, config_file, sets, no_progress, init, rewards, **grpo) -> None:
     """Train the claimed path, renewing its lease; checkpoints and exact resume."""
-    import os
-
-    from paths.claims import load_local, resume_lease
+    from paths.claims import claimed_run, lease_for_rank
     from paths.train import train as do
     from paths.train_config import load_config
     from storage.layout import open_run
 
     cfg = load_config(config_file, sets, steps=steps, checkpoint_every=checkpoint_every, **grpo)
-    if run is None:
-        local = load_local()
-        if local is None:
-            raise click.UsageError("give RUN (or set PATHS_RUN), after `paths claim RUN`")
-        run = local["run"]
-    r = open_run(run)
-    if int(os.environ.get("RANK", "0")) == 0:
-        lease = resume_lease(r, path_id)
-    else:  # other ranks of `accelerate launch` / torchrun: rank 0 holds and renews the lease
-        local = load_local() or {}
-        lease, path_id = None, path_id or local.get("path")
-        if path_id is None:
-            raise click.UsageError("give --path on every rank, or run `paths claim` where all ranks can read .paths/claim.json")
-    summary = do(r, lease.path if lease else path_id, mode, dataset, cfg, lease, show_progress=not no_progress, rewards=list(rewards), init=init)
+    r = open_run(run or claimed_run())
+    lease, path_id = lease_for_rank(r, path_id)
+    summary = do(r, path_id, mode, dataset, cfg, lease, show_progress=not no_progress, rewards=list(rewards), init=init)
     if "final" in summary:  # rank 0 (other ranks write nothing)
         click.echo(f"trained {summary['path']}: {summary['steps']} steps, {summary['tokens']:,} tokens, final loss {summary['final_loss']:.4f} -> {summary['final']}")
 

@@ -82,14 +82,14 @@ def evaluate(run: Run, dataset: str, models: list[str], *, split: str = "heldout
     """Scores of every model on every path shard of the dataset; also written to the run."""
     from paths.grpo import evaluate as reward_eval
     from paths.rewards import load_reward
-    from sharding.dataset import dataset_manifest, read_documents, read_prompts
+    from sharding.dataset import dataset_manifest, read_prompts, read_tokens
 
     manifest = dataset_manifest(run, dataset)
     prompts = manifest.get("data_kind") == "prompts"
     shards = [p for p, c in sorted(manifest["paths"].items()) if c[f"{split}_docs"] > 0]
     if not shards:
         raise ConfigurationError(f"dataset {dataset!r} has no {split} documents: shard it with --holdout > 0, or use --split train")
-    data = {p: (read_prompts(run, dataset, p, split) if prompts else np.concatenate(read_documents(run, dataset, p, split))[:max_tokens]) for p in shards}
+    data = {p: (read_prompts(run, dataset, p, split) if prompts else read_tokens(run, dataset, p, split, max_tokens)) for p in shards}
     metric = "math_answer accuracy" if prompts else "perplexity"
     table: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as scratch:

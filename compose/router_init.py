@@ -98,17 +98,14 @@ def patch_tensor(path: str, name: str, value: torch.Tensor) -> None:
 def apply_centroids(run: Run, folder: str, family, plan, dataset: str, weight_files: list[str]) -> dict[str, int]:
     """Compute the centroid routers from the composed model in `folder` and write them into its
     safetensors files; returns documents used per path."""
-    import json
-    import struct
+    from safetensors import safe_open
 
     rows, used = centroid_rows(run, folder, family, plan, dataset)
     names = {fill(family.router[layout], layer): layer for layer in rows for layout in ("disk", "memory")}
     for fname in weight_files:
         path = os.path.join(folder, fname)
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        for name in header:
-            if name in names:
-                patch_tensor(path, name, rows[names[name]])
+        with safe_open(path, framework="pt") as f:
+            present = [n for n in f.keys() if n in names]
+        for name in present:
+            patch_tensor(path, name, rows[names[name]])
     return used

@@ -190,3 +190,23 @@ def resume_lease(run: Run, path: str | None) -> Lease:
         holder = "nobody" if record is None else f"{record.get('worker')} (generation {record.get('generation')}, {record.get('state')})"
         raise LeaseLost(f"the claim on {local['path']} recorded in {claim_file()} is not ours any more: it is held by {holder}; run `paths claim` again")
     return Lease(run, local["path"], local["worker"], float(local["ttl"]), etag, record)
+
+
+def claimed_run() -> str:
+    """The run of the claim recorded locally (when `paths train` is given no RUN)."""
+    local = load_local()
+    if local is None:
+        raise ConfigurationError(f"no RUN given and no claim recorded in {claim_file()}: give RUN (or set PATHS_RUN) after `paths claim RUN`")
+    return local["run"]
+
+
+def lease_for_rank(run: Run, path: str | None) -> tuple[Lease | None, str]:
+    """(lease, path) for this process: rank 0 (of `accelerate launch` / torchrun, from $RANK)
+    holds and renews the lease; other ranks train the same path and hold nothing."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        lease = resume_lease(run, path)
+        return lease, lease.path
+    path = path or (load_local() or {}).get("path")
+    if path is None:
+        raise ConfigurationError("give --path on every rank, or run `paths claim` where all ranks can read its claim.json")
+    return None, path

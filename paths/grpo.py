@@ -13,6 +13,8 @@ Shapes: N completions (prompts x G), P prompt tokens (left-padded), C completion
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -116,18 +118,20 @@ def sample_tokens(logits_NV: torch.Tensor, temperature: float, top_p: float) -> 
     return torch.multinomial(probs, 1).squeeze(-1)
 
 
+@functools.cache
+def _cache_argument(model_class: type) -> str:
+    """transformers >= 5.x names the KV-cache argument `cache`; older releases `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def generate(model, ids_NP: torch.Tensor, mask_NP: torch.Tensor, max_new_tokens: int, temperature: float, top_p: float, eos_id: int, pad_id: int) -> torch.Tensor:
     """Sampled completions (N, C) with a KV cache: one prefill, then one token per forward.
     A lean loop instead of `generate()`: for small models its per-token bookkeeping costs as much
     as the forward pass. Rows that produced EOS continue with padding."""
-    import inspect
-
     from transformers import DynamicCache
 
-    # transformers >= 5.x names the argument `cache`; older releases `past_key_values`.
-    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    kv = {key: DynamicCache()}
+    kv = {_cache_argument(type(model)): DynamicCache()}
     positions = (mask_NP.cumsum(1) - 1).clamp(min=0)
     logits = model(input_ids=ids_NP, attention_mask=mask_NP, position_ids=positions, use_cache=True, **kv).logits[:, -1]
     mask, pos = mask_NP, positions[:, -1:]

@@ -185,25 +185,25 @@ def _grpo(run) -> str:
     from sharding.dataset import dataset_manifest
 
     paths = dataset_manifest(run, RL_DATASET)["paths"]
-    RL_PATH = max(sorted(paths), key=lambda p: paths[p]["heldout_docs"])
+    rl_path = max(sorted(paths), key=lambda p: paths[p]["heldout_docs"])
     rewards = [load_reward(r) for r in REWARDS]
-    heldout = read_prompts(run, RL_DATASET, RL_PATH, "heldout")
+    heldout = read_prompts(run, RL_DATASET, rl_path, "heldout")
 
     def score_final() -> dict[str, float]:
         with tempfile.TemporaryDirectory() as folder:
-            fetch_final(run, RL_PATH, folder)
+            fetch_final(run, rl_path, folder)
             model = AutoModelForCausalLM.from_pretrained(folder)
             return evaluate(model, AutoTokenizer.from_pretrained(folder), heldout, rewards, max_new_tokens=16)
 
     before = score_final()
-    release(run, RL_PATH, "open", by="quickstart")
-    lease = claim(run, [RL_PATH], ttl=60, worker="quickstart")
+    release(run, rl_path, "open", by="quickstart")
+    lease = claim(run, [rl_path], ttl=60, worker="quickstart")
     cfg = load_config(sets=["batch_size=4", "group_size=8", "max_new_tokens=16", "warmup_steps=1", "lr=1e-3"], steps=RL_STEPS, checkpoint_every=4)
-    out = train(run, RL_PATH, "grpo", RL_DATASET, cfg, lease, show_progress=False, rewards=REWARDS, init="final")
+    out = train(run, rl_path, "grpo", RL_DATASET, cfg, lease, show_progress=False, rewards=REWARDS, init="final")
     after = score_final()
     fmt = lambda d: ", ".join(f"{k} {v:.3f}" for k, v in d.items() if k != "prompts")  # noqa: E731
     return (
-        f"{RL_PATH}: {out['steps']} GRPO steps ({out['tokens']:,} completion tokens) from its lm-trained final/\n"
+        f"{rl_path}: {out['steps']} GRPO steps ({out['tokens']:,} completion tokens) from its lm-trained final/\n"
         f"held-out reward on {before['prompts']} prompts (greedy): before {fmt(before)}\n"
         f"                                         after  {fmt(after)}\n"
         "(a 189K-parameter model trained for seconds does not do arithmetic: the numbers show the loop, not skill)"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from paths.claims import read_claim
+from paths.claims import claimable, read_claim
 from paths.decompose import decomposed_paths
 from storage.layout import Run
 
@@ -20,7 +20,7 @@ def status(run: Run) -> list[dict[str, Any]]:
         committed = [s for s, c in run.checkpoints(pid) if c]
         state = "unclaimed" if record is None else record.get("state", "?")
         expires = record.get("expires_at") if record else None
-        if state == "claimed" and expires is not None and expires < now:
+        if state == "claimed" and claimable(record, now):
             state = "expired"
         rows.append({
             "path": pid,

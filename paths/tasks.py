@@ -22,8 +22,8 @@ THINGS = ["apples", "books", "coins", "marbles", "stamps"]
 
 def expression(rng: random.Random, ops: int) -> tuple[str, int]:
     """An integer expression with `ops` operations (+, -, *) and its value."""
-    text, value = str(rng.randint(1, 20)), None
-    value = int(text)
+    value = rng.randint(1, 20)
+    text = str(value)
     for _ in range(ops):
         op, n = rng.choice("+-*"), rng.randint(2, 12)
         if op == "*":

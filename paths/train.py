@@ -98,10 +98,7 @@ def micro_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], total_tar
     """Summed next-token loss over the batch's real targets, divided by the step's target count."""
     tokens = batch["tokens"]  # (B, L+1)
     x, y = tokens[:, :-1], tokens[:, 1:].clone()  # (B, L)
-    pos = torch.arange(y.shape[1]).unsqueeze(0)  # (1, L)
-    keep = pos < (batch["valid"].unsqueeze(1) - 1)  # targets that are real tokens
-    if "loss_from" in batch:
-        keep &= pos >= (batch["loss_from"].unsqueeze(1) - 1)  # sft: completion tokens only
+    keep = target_mask(batch)
     y[~keep] = -100
     logits = model(input_ids=x.to(_device(model))).logits  # (B, L, V)
     loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1).to(logits.device), ignore_index=-100, reduction="sum")
@@ -136,12 +133,18 @@ class Counting:
         return batch
 
 
-def targets_of(batch: dict[str, torch.Tensor]) -> int:
-    pos = torch.arange(batch["tokens"].shape[1] - 1).unsqueeze(0)
+def target_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(B, L) the targets that count: real tokens, and for sft only completion tokens."""
+    pos = torch.arange(batch["tokens"].shape[1] - 1).unsqueeze(0)  # (1, L)
     keep = pos < (batch["valid"].unsqueeze(1) - 1)
     if "loss_from" in batch:
         keep &= pos >= (batch["loss_from"].unsqueeze(1) - 1)
-    return int(keep.sum())
+    return keep
+
+
+def targets_of(batch: dict[str, torch.Tensor]) -> int:
+    """Targets of a batch that count in the loss."""
+    return int(target_mask(batch).sum())
 
 
 def _device(model: torch.nn.Module) -> torch.device:

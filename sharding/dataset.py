@@ -73,6 +73,13 @@ def read_documents(run: Run, dataset: str, path_id: str, split: str = "train") -
     return [tokens[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
 
 
+def read_tokens(run: Run, dataset: str, path_id: str, split: str = "train", limit: int | None = None) -> np.ndarray:
+    """A path's token stream (documents concatenated), only its first `limit` tokens read."""
+    manifest, _ = path_entry(run, dataset, path_id)
+    tokens = open_group(run, dataset, path_id, manifest)[array_names("tokens", split)[0]]
+    return np.asarray(tokens[: tokens.shape[0] if limit is None else limit])
+
+
 def read_prompts(run: Run, dataset: str, path_id: str, split: str = "train") -> list[dict[str, Any]]:
     """A prompt dataset's records of one path: prompt text, answer text, prompt token ids."""
     manifest, _ = path_entry(run, dataset, path_id)

@@ -196,18 +196,11 @@ def _to_record(where: str, row: dict, fields: Fields, on_error: OnError, stats: 
         _bad("missing_field", f"{where} {what} text field {text_field!r} (fields: {keys}); pass --text-field", on_error, stats, where)
         return None
     doc_id = str(row[fields.id]) if fields.id and row.get(fields.id) is not None else (row.get("id") if row.get("_text_file") else None)
-    domain = None
-    if fields.domain:
-        value = row.get(fields.domain)
-        if value is None:
-            _bad("missing_field", f"{where} has no domain field {fields.domain!r}; pass --domain-field", on_error, stats, where)
+    extra: dict[str, str | None] = {}
+    for kind, name in (("domain", fields.domain), ("answer", fields.answer)):
+        value = row.get(name) if name else None
+        if name and value is None:
+            _bad("missing_field", f"{where} has no {kind} field {name!r}; pass --{kind}-field", on_error, stats, where)
             return None
-        domain = str(value)
-    answer = None
-    if fields.answer:
-        value = row.get(fields.answer)
-        if value is None:
-            _bad("missing_field", f"{where} has no answer field {fields.answer!r}; pass --answer-field", on_error, stats, where)
-            return None
-        answer = str(value)
-    return Record(text=text, id=doc_id or "", domain=domain, answer=answer)
+        extra[kind] = None if value is None else str(value)
+    return Record(text=text, id=doc_id or "", **extra)

@@ -35,6 +35,7 @@ from sharding.writer import FIELDS_DOCUMENTS, FIELDS_PROMPTS, MemoryBudget, Path
 from sharding.zarr_store import HashingStore, open_zarr_store
 from storage.layout import Run
 from storage.manifest import ArtifactWriter, read_manifest
+from storage.safetensors_io import read_header
 
 FORMAT_VERSION = 1
 STAGING = "_staging"
@@ -268,18 +269,12 @@ def _stage_all(run, opts, router, files, tokenizer, fid, workers, storage_option
 
 
 def _part_ok(run: Run, key: str, fid: str) -> bool:
-    if not run.store.exists(key):
-        return False
-    return _part_meta(run.store.read_range(key, 0, 8 + _header_len(run, key)))["fingerprint"] == fid
+    return run.store.exists(key) and _part_meta(run, key)["fingerprint"] == fid
 
 
-def _header_len(run: Run, key: str) -> int:
-    return int.from_bytes(run.store.read_range(key, 0, 8), "little")
-
-
-def _part_meta(head: bytes) -> dict[str, str]:
-    n = int.from_bytes(head[:8], "little")
-    return json.loads(head[8 : 8 + n]).get("__metadata__", {})
+def _part_meta(run: Run, key: str) -> dict[str, str]:
+    """A staged part's metadata, from its safetensors header alone."""
+    return read_header(run.store, key)[1]
 
 
 def stage_file(run: Run, opts: ShardOptions, router: Router, files: list[str], index: int, tokenizer, fid: str, storage_options, progress: Progress) -> None:
@@ -289,7 +284,7 @@ def stage_file(run: Run, opts: ShardOptions, router: Router, files: list[str], i
     t0 = time.time()
     cap = None
     if opts.limit is not None:
-        before = sum(int(_part_meta(run.store.read_range(k, 0, 8 + _header_len(run, k)))["docs"]) for k in (_part_key(run, opts.dataset, j) for j in range(index)))
+        before = sum(int(_part_meta(run, _part_key(run, opts.dataset, j))["docs"]) for j in range(index))
         cap = max(0, opts.limit - before)
     stats = ReadStats()
     docs: list[Doc] = []

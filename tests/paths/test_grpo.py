@@ -14,7 +14,6 @@ import torch
 from click.testing import CliRunner
 
 from cli.main import main
-from paths import checkpoint
 from paths.errors import ConfigurationError, DataError
 from paths.grpo import clipped_surrogate, group_advantages, grpo_backward, kl_k3, reduce_loss, rollout
 from paths.rewards import extract_answer, format_reward, load_reward, math_answer
@@ -117,7 +116,7 @@ def test_accumulating_4x1_equals_1x4(rl_run, loss):
     assert all(torch.allclose(a, b, atol=1e-7, rtol=1e-5) for a, b in zip(*grads))
 
 
-def test_resume_is_exact(tmp_path, tokenizer_dir, monkeypatch):
+def test_resume_is_exact(tmp_path, tokenizer_dir, killed_after_first_checkpoint):
     def build(name):
         run = make_run(str(tmp_path / name), tokenizer_dir, 1)
         f = str(tmp_path / f"{name}.jsonl")
@@ -129,16 +128,8 @@ def test_resume_is_exact(tmp_path, tokenizer_dir, monkeypatch):
     whole = build("a")
     train(whole, "p01", "grpo", "rl", cfg, None, show_progress=False, rewards=[TOY])
     broken = build("b")
-    real = checkpoint.prune
-
-    def crash(*a, **k):
-        real(*a, **k)
-        raise KeyboardInterrupt("killed after the first checkpoint")
-
-    monkeypatch.setattr(checkpoint, "prune", crash)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_after_first_checkpoint():
         train(broken, "p01", "grpo", "rl", cfg, None, show_progress=False, rewards=[TOY])
-    monkeypatch.setattr(checkpoint, "prune", real)
     out = train(broken, "p01", "grpo", "rl", cfg, None, show_progress=False, rewards=[TOY])
     assert out["resumed_from"] == 3
     from safetensors.torch import load_file

@@ -214,8 +214,7 @@ def test_bad_input_is_one_line_and_exit_1(run2, corpus, tmp_path, monkeypatch):
 
 
 @pytest.mark.s3
-def test_claim_train_resume_and_compose_on_seaweedfs(seaweed, bucket, tokenizer_dir, tmp_path, monkeypatch):
-    from paths import checkpoint
+def test_claim_train_resume_and_compose_on_seaweedfs(seaweed, bucket, tokenizer_dir, tmp_path, monkeypatch, killed_after_first_checkpoint):
     from compose.merge import compose_moe
 
     monkeypatch.setenv("PATHS_HOME", str(tmp_path / "home"))
@@ -224,16 +223,8 @@ def test_claim_train_resume_and_compose_on_seaweedfs(seaweed, bucket, tokenizer_
     shard(run, ShardOptions(dataset="lm", inputs=[write_jsonl(str(tmp_path / "a.jsonl"), docs(200))], holdout=0.0), storage_options=options)
     cfg = load_config(sets=["seq_len=16", "batch_size=2", "keep_checkpoints=2"], steps=6, checkpoint_every=2)
     lease = claim(run, ["p02-02"], ttl=30, worker="w")
-    real = checkpoint.prune
-
-    def crash(*a, **k):
-        real(*a, **k)
-        raise KeyboardInterrupt("killed after the first checkpoint")
-
-    monkeypatch.setattr(checkpoint, "prune", crash)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_after_first_checkpoint():
         train(run, "p02-02", "lm", "lm", cfg, lease, show_progress=False)
-    monkeypatch.setattr(checkpoint, "prune", real)
     assert [s for s, c in run.checkpoints("p02-02") if c] == [2]
     out = train(run, "p02-02", "lm", "lm", cfg, lease, show_progress=False)
     assert out["resumed_from"] == 2 and read_claim(run, "p02-02")[0]["state"] == "done"
