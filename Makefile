@@ -28,7 +28,7 @@ test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 quickstart: install
-	$(VENV)/bin/paths quickstart
+	$(VENV)/bin/paths quickstart --scenario all
 
 # MosaicML streaming (a peer in bench/shard.py) pins transformers<5 and numpy<2.2: installed
 # without its dependencies, plus the ones its reader and writer import.

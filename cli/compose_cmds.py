@@ -17,18 +17,30 @@ run_arg = click.argument("run", envvar="PATHS_RUN")
 @click.option("--previous", help="The composed model of the previous round, whose momentum state continues.")
 @click.option("--weighting", type=click.Choice(["uniform", "tokens"]), default="uniform", show_default=True, help="Mean of deltas: uniform, or weighted by each path's trained tokens.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="Output dtype (default: the base's).")
-@click.option("--router", type=click.Choice(["keep", "centroid"]), default="keep", show_default=True, help="keep the base's routers, or re-initialise them from routed data.")
-@click.option("--router-data", help="centroid: the documents dataset the paths were trained on.")
+@click.option("--router", type=click.Choice(["keep", "centroid", "domain-embed"]), default="keep", show_default=True,
+              help="keep the base's routers; centroid: rows from routed data through the composed model; domain-embed: through each path's own model (FlexOlmo).")
+@click.option("--router-data", help="centroid, domain-embed: the documents dataset the paths were trained on.")
+@click.option("--router-docs", default=64, show_default=True, help="domain-embed: documents sampled per path.")
+@click.option("--exclude", help="Opt-out: comma-separated path ids whose experts are removed (their data has no influence).")
+@click.option("--include", help="Opt-out: keep only these paths; every other finished path's experts are removed.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing composed/NAME/.")
-def compose(run, into, name, select, outer_lr, momentum, previous, weighting, dtype, router, router_data, overwrite) -> None:
+def compose(run, into, name, select, outer_lr, momentum, previous, weighting, dtype, router, router_data, router_docs, exclude, include, overwrite) -> None:
     """Merge trained paths into composed/NAME/ (loads with AutoModelForCausalLM)."""
     from compose.merge import compose_moe
     from storage.layout import open_run
 
-    paths = [p.strip() for p in select.split(",") if p.strip()] if select else None
-    record = compose_moe(open_run(run), name, paths=paths, outer_lr=outer_lr, momentum=momentum, weighting=weighting, previous=previous, dtype=dtype, overwrite=overwrite, router=router, router_data=router_data)
+    def ids(text):
+        return [p.strip() for p in text.split(",") if p.strip()] if text is not None else None
+
+    record = compose_moe(
+        open_run(run), name, paths=ids(select), outer_lr=outer_lr, momentum=momentum, weighting=weighting, previous=previous, dtype=dtype,
+        overwrite=overwrite, router=router, router_data=router_data, router_docs=router_docs, exclude=ids(exclude), include=ids(include),
+    )
     touched = len(record["tensors"])
     click.echo(f"composed {len(record['paths'])} paths into {run}/composed/{name} ({touched} tensors updated) in {record['seconds']}s")
+    removed = record["excluded"]["removed_experts"]
+    if record["excluded"]["paths"]:
+        click.echo(f"left out {','.join(record['excluded']['paths'])}: removed experts {removed} per layer")
 
 
 @click.command("eval")

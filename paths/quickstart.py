@@ -101,15 +101,15 @@ def _load(folder: str) -> str:
     )
 
 
-def _corpus(folder: str, domain_map: str) -> str:
+def _corpus(folder: str, domain_map: str, domains: dict[str, str] = DOMAINS) -> str:
     import json
 
     from sharding.corpus import write_corpus
 
     files = write_corpus(folder)
     with open(domain_map, "w") as f:
-        json.dump(DOMAINS, f)
-    return f"wrote {', '.join(os.path.basename(p) for p in files)} and {os.path.basename(domain_map)} ({DOMAINS}) in {folder}"
+        json.dump(domains, f)
+    return f"wrote {', '.join(os.path.basename(p) for p in files)} and {os.path.basename(domain_map)} ({domains}) in {folder}"
 
 
 def _shard(run, corpus: str, domain_map: str) -> dict[str, Any]:
@@ -218,11 +218,95 @@ def _compose(run) -> str:
 
 
 def _eval(run, models: list[str]) -> str:
+    return _eval_domains(run, DATASET, models, DOMAINS, "train") + " (each domain's documents were routed to one path; the tiny corpus holds out few)"
+
+
+# -- paths quickstart --scenario flexolmo ------------------------------------------------------
+FLEX_ROOT = "runs/quickstart-flexolmo"
+FLEX_DOMAINS = {"code": "p00", "prose": "p01", "math": "p02"}  # p03: the public expert, never trained
+FLEX_DATASET = "domains"
+FLEX_STEPS = 60
+FLEX_OPTED_OUT = "math"
+
+
+def flexolmo_stages(root: str = FLEX_ROOT) -> Iterator[Stage]:
+    """FlexOlmo: three data owners each train their domain expert anchored to the frozen shared
+    weights; compose with routers from their domain embeddings; compose again with one owner out."""
+    from paths.base import init_run
+    from paths.decompose import decompose, describe
+
+    run = admin.init(root)
+    yield f"paths storage init {root}", lambda: f"run at {run.url}"
+    if "base" in run.read_meta():
+        yield f"paths init {root} --preset {PRESET}", lambda: "(the run already holds a base model: reused)"
+    else:
+        yield f"paths init {root} --preset {PRESET}", lambda: _init(init_run, root)
+    yield f"paths decompose {root} --levels 1", lambda: _decomposed(decompose(run, 1))
+    yield f"paths plan {root}", lambda: describe(run)
+    corpus = os.path.join(os.path.dirname(os.path.abspath(root)), "quickstart-corpus")
+    domain_map = os.path.join(corpus, "flexolmo-domains.json")
+    yield "write a corpus found on this machine (code: stdlib sources, prose: pydoc topics, math: generated)", lambda: _corpus(corpus, domain_map, FLEX_DOMAINS)
+    yield (
+        f"paths shard {root} --dataset {FLEX_DATASET} --input '{corpus}/*.jsonl' --id-field id --router domain --domain-field domain --domain-map {domain_map} --holdout 0.1",
+        lambda: _shard_flex(run, corpus, domain_map),
+    )
+    owners = ", ".join(f"{d}: {p}" for d, p in FLEX_DOMAINS.items())
+    yield (
+        f"for P in {' '.join(FLEX_DOMAINS.values())}; do paths claim {root} --path $P && paths train --dataset {FLEX_DATASET} --freeze shared --steps {FLEX_STEPS}; done   ({owners})",
+        lambda: _train_anchored(run),
+    )
+    yield f"paths compose {root} --name flexolmo --router domain-embed --router-data {FLEX_DATASET} --overwrite", lambda: _compose_flex(run, "flexolmo", [])
+    out = FLEX_DOMAINS[FLEX_OPTED_OUT]
+    yield (
+        f"paths compose {root} --name flexolmo-no-{FLEX_OPTED_OUT} --exclude {out} --router domain-embed --router-data {FLEX_DATASET} --overwrite   (the {FLEX_OPTED_OUT} owner opts out)",
+        lambda: _compose_flex(run, f"flexolmo-no-{FLEX_OPTED_OUT}", [out]),
+    )
+    models = ["base", *(f"path:{p}" for p in FLEX_DOMAINS.values()), "composed:flexolmo", f"composed:flexolmo-no-{FLEX_OPTED_OUT}"]
+    yield f"paths eval {root} --dataset {FLEX_DATASET} " + " ".join(f"--model {m}" for m in models), lambda: _eval_domains(run, FLEX_DATASET, models, FLEX_DOMAINS, "heldout")
+    yield f"paths storage verify {root}", lambda: admin.verify(run)
+
+
+def _shard_flex(run, corpus: str, domain_map: str) -> dict[str, Any]:
+    from sharding.shard import ShardOptions, shard
+
+    return shard(run, ShardOptions(dataset=FLEX_DATASET, inputs=[f"{corpus}/*.jsonl"], id_field="id", router="domain", domain_field="domain", domain_map=domain_map, holdout=0.1))
+
+
+def _train_anchored(run) -> str:
+    from paths.claims import claim
+    from paths.errors import NothingToClaim
+    from paths.train import train
+    from paths.train_config import load_config
+
+    cfg = load_config(sets=["seq_len=128", "batch_size=8", "warmup_steps=3", "lr=2e-3", "freeze=shared"], steps=FLEX_STEPS, checkpoint_every=0)
+    lines = []
+    for domain, pid in FLEX_DOMAINS.items():
+        try:
+            lease = claim(run, [pid], ttl=60, worker="quickstart")
+        except NothingToClaim:
+            lines.append(f"{pid} ({domain}): already trained")
+            continue
+        out = train(run, pid, "lm", FLEX_DATASET, cfg, lease, show_progress=False)
+        lines.append(f"{pid} ({domain}): {out['steps']} steps, {out['tokens']:,} tokens, loss {out['final_loss']:.3f}, anchored={out['anchored']}")
+    return "\n".join(lines) + "\n(attention, embeddings, norms and head stay bitwise the base's: only each owner's expert trained)"
+
+
+def _compose_flex(run, name: str, exclude: list[str]) -> str:
+    from compose.merge import compose_moe
+
+    record = compose_moe(run, name, router="domain-embed", router_data=FLEX_DATASET, router_docs=32, exclude=exclude, overwrite=True)
+    out = f"composed {', '.join(sorted(record['paths']))} into composed/{name} in {record['seconds']}s; shared tensors: {record['shared']}"
+    if record["excluded"]["paths"]:
+        out += f"\nleft out {', '.join(record['excluded']['paths'])}: experts {record['excluded']['removed_experts']['0']} removed from every layer ({len(record['excluded']['experts_kept']['0'])} left)"
+    return out
+
+
+def _eval_domains(run, dataset: str, models: list[str], domains: dict[str, str], split: str) -> str:
     from cli.render import render_eval
     from compose.evaluate import evaluate
 
-    result = evaluate(run, DATASET, models, split="train", max_tokens=20_000)
-    names = {p: f"{d}:{p}" for d, p in DOMAINS.items()}
+    result = evaluate(run, dataset, models, split=split, max_tokens=20_000)
+    names = {p: f"{d}:{p}" for d, p in domains.items()}
     result["shards"] = [names[s] for s in result["shards"] if s in names]
     result["table"] = {m: {names.get(k, k): v for k, v in row.items()} for m, row in result["table"].items()}
-    return render_eval(result) + "\n(per domain: each domain's documents were routed to one path; train split, as the tiny corpus holds out few documents)"
+    return render_eval(result) + f"\n(perplexity per domain, {split} documents)"

@@ -26,6 +26,7 @@ import torch
 from paths import checkpoint
 from paths.claims import Lease
 from paths.errors import ConfigurationError, LeaseLost, NotFound, PathsError
+from paths.families import PARTS
 from paths.train_config import TrainConfig
 from storage.layout import Run
 from storage.manifest import ArtifactWriter, sha256_hex
@@ -92,6 +93,20 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # The fused kernel (CPU and CUDA) does the whole update in one pass per tensor.
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+
+
+def freeze_shared(model: torch.nn.Module, family, num_layers: int) -> int:
+    """FlexOlmo's anchoring: only the path's experts (the dense MLP of each layer) keep gradients;
+    attention, embeddings, norms and head are frozen, so they stay bitwise the base's. Returns
+    the number of trainable parameters."""
+    own = {family.dense_mlp(layer, part) for layer in range(num_layers) for part in PARTS}
+    named = dict(model.named_parameters())
+    missing = own - named.keys()
+    if missing:
+        raise ConfigurationError(f"--freeze shared: the path has no parameter {sorted(missing)[0]}: its checkpoint does not match the {family.name} family")
+    for name, p in named.items():
+        p.requires_grad_(name in own)
+    return sum(p.numel() for name, p in named.items() if name in own)
 
 
 def micro_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], total_targets: int) -> tuple[torch.Tensor, int]:
@@ -224,6 +239,11 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_pretrained(os.path.join(local, "init"), dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(local, "init"))
+        if cfg.freeze == "shared":
+            from paths.decompose import run_plan
+
+            _, family, base_cfg = run_plan(run)
+            freeze_shared(model, family, base_cfg["num_hidden_layers"])
         optimizer = make_optimizer(model, cfg)
         common = dict(seed=cfg.seed, batch_size=cfg.batch_size, rank=acc.process_index, world_size=acc.num_processes)
         if mode == "lm":
@@ -244,7 +264,7 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
             step_fn = GRPOStep(cfg, data.records, reward_fns, tokenizer, ref)
 
         start, tokens_seen, last_loss, metrics = 0, 0, None, []
-        resumed = checkpoint.load_latest(run, path_id, {"mode": mode, "dataset": dataset})
+        resumed = checkpoint.load_latest(run, path_id, {"mode": mode, "dataset": dataset, "freeze": cfg.freeze})
         if resumed is not None:
             start, model_sd, opt_sd, state = resumed
             model.load_state_dict(model_sd)
@@ -270,7 +290,7 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
 
         def save_checkpoint(step: int) -> dict[str, Any] | None:
             state = {
-                "step": step, "tokens": tokens_seen, "loss": last_loss, "config": cfg.to_json(), "mode": mode,
+                "step": step, "tokens": tokens_seen, "loss": last_loss, "config": cfg.to_json(), "mode": mode, "freeze": cfg.freeze,
                 "dataset": dataset, "data": _gather_positions(acc, data, it.consumed),
                 "rng": _rng_state(), "generation": lease.generation if lease else None,
             }
@@ -318,7 +338,9 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
                 _check_stop(acc, stop, save_checkpoint, step, lease)
         bar.close()
         _check_stop(acc, stop)
-        summary = {"path": path_id, "mode": mode, "steps": step, "tokens": tokens_seen, "final_loss": last_loss, "resumed_from": start, "init": init}
+        summary = {"path": path_id, "mode": mode, "freeze": cfg.freeze, "steps": step, "tokens": tokens_seen, "final_loss": last_loss, "resumed_from": start, "init": init}
+        # anchored: every shared tensor is still the base's (this stage froze them, and so did the one before)
+        summary["anchored"] = cfg.freeze == "shared" and (previous_stage is None or bool(previous_stage.get("anchored")))
         if previous_stage is not None:
             summary["previous_stage"] = previous_stage
         acc.wait_for_everyone()

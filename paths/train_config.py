@@ -39,6 +39,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     num_workers: int = 0
     precision: Literal["auto", "fp32", "bf16"] = "auto"
+    freeze: Literal["none", "shared"] = "none"
     # --mode grpo
     group_size: int = 8
     max_new_tokens: int = 32
@@ -69,6 +70,8 @@ class TrainConfig:
             raise ConfigurationError(f"temperature must be > 0 and top_p in (0, 1], got {self.temperature} and {self.top_p}")
         if self.loss not in ("grpo", "bnpo", "dr_grpo", "dapo") or self.scale_rewards not in ("group", "batch", "none"):
             raise ConfigurationError(f"loss must be grpo, bnpo, dr_grpo or dapo and scale_rewards group, batch or none; got {self.loss!r}, {self.scale_rewards!r}")
+        if self.freeze not in ("none", "shared"):
+            raise ConfigurationError(f"freeze must be none or shared (--freeze shared trains only the path's experts), got {self.freeze!r}")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ConfigurationError(f"precision must be auto, fp32 or bf16, got {self.precision!r}")
 

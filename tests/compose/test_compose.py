@@ -72,7 +72,7 @@ def test_experts_get_their_paths_delta_and_shared_tensors_the_mean(run2, tmp_pat
 
     # layer 0 is in level 0 (p01-02 chose expert 1, p03-02 expert 3); layer 3 in level 1 (both chose 2)
     b0, b3 = base[EXPERT.format(l=0, e=1)], base[EXPERT.format(l=3, e=2)]
-    assert torch.equal(out[EXPERT.format(l=0, e=1)], b0 + 1.0 * mean_of(a[DENSE.format(l=0)] - b0))
+    assert torch.equal(out[EXPERT.format(l=0, e=1)], a[DENSE.format(l=0)])  # one path fed it: its value, exactly
     assert torch.allclose(out[EXPERT.format(l=0, e=1)], b0 + 0.5, atol=1e-6)
     assert torch.equal(out[EXPERT.format(l=0, e=3)], base[EXPERT.format(l=0, e=3)])  # untrained path: delta 0
     assert torch.equal(out[EXPERT.format(l=0, e=0)], base[EXPERT.format(l=0, e=0)])  # nobody chose it
