@@ -9,7 +9,7 @@ run_arg = click.argument("run", envvar="PATHS_RUN")
 
 @click.command("compose")
 @run_arg
-@click.option("--into", type=click.Choice(["moe"]), default="moe", show_default=True, help="moe: one sparse MoE checkpoint of the base family.")
+@click.option("--into", type=click.Choice(["moe", "ensemble"]), default="moe", show_default=True, help="moe: one sparse MoE checkpoint of the base family; ensemble: members mixed per token (trust_remote_code).")
 @click.option("--name", required=True, help="Output: composed/NAME/.")
 @click.option("--paths", "select", help="Comma-separated path ids (default: every finished path).")
 @click.option("--outer-lr", default=1.0, show_default=True, help="Outer learning rate on the mean delta.")
@@ -23,14 +23,33 @@ run_arg = click.argument("run", envvar="PATHS_RUN")
 @click.option("--router-docs", default=64, show_default=True, help="domain-embed: documents sampled per path.")
 @click.option("--exclude", help="Opt-out: comma-separated path ids whose experts are removed (their data has no influence).")
 @click.option("--include", help="Opt-out: keep only these paths; every other finished path's experts are removed.")
+@click.option("--members", help="ensemble: comma-separated paths, experts or hf:DIR (default: every trained expert, else every trained path).")
+@click.option("--mix", type=click.Choice(["posterior", "uniform", "router"]), default="posterior", show_default=True,
+              help="ensemble: posterior (ELMForest: P(member | prefix)), uniform, or router (DiPaCo: one member per document by the saved router).")
+@click.option("--prior", type=click.Choice(["cached", "uniform"]), default="cached", show_default=True, help="ensemble, posterior: the members' prior.")
+@click.option("--prior-data", help="ensemble, --prior cached: the documents dataset whose held-out documents estimate it.")
+@click.option("--prior-docs", default=100, show_default=True, help="ensemble: documents the cached prior is estimated on.")
+@click.option("--prior-decay", default=0.3, show_default=True, help="ensemble: weight of each new document's posterior in the exponential average.")
+@click.option("--router-name", help="ensemble, --mix router: the saved router (router/NAME/; default: the only one).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing composed/NAME/.")
-def compose(run, into, name, select, outer_lr, momentum, previous, weighting, dtype, router, router_data, router_docs, exclude, include, overwrite) -> None:
-    """Merge trained paths into composed/NAME/ (loads with AutoModelForCausalLM)."""
+def compose(run, into, name, select, outer_lr, momentum, previous, weighting, dtype, router, router_data, router_docs, exclude, include,
+            members, mix, prior, prior_data, prior_docs, prior_decay, router_name, overwrite) -> None:
+    """Merge trained paths into composed/NAME/ (loads with AutoModelForCausalLM), or ensemble them."""
     from compose.merge import compose_moe
     from storage.layout import open_run
 
     def ids(text):
         return [p.strip() for p in text.split(",") if p.strip()] if text is not None else None
+
+    if into == "ensemble":
+        from compose.ensemble import compose_ensemble
+
+        record = compose_ensemble(open_run(run), name, members=ids(members), mix=mix, prior=prior, prior_data=prior_data, prior_docs=prior_docs,
+                                  prior_decay=prior_decay, router_name=router_name, overwrite=overwrite)
+        prior_text = f"; prior {', '.join(f'{m} {p:.3f}' for m, p in zip(record['order'], record['prior']))}" if record["prior"] else ""
+        click.echo(f"ensembled {', '.join(record['order'])} into {run}/composed/{name} (mix {mix}{prior_text}) in {record['seconds']}s; "
+                   "load with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)")
+        return
 
     record = compose_moe(
         open_run(run), name, paths=ids(select), outer_lr=outer_lr, momentum=momentum, weighting=weighting, previous=previous, dtype=dtype,
@@ -46,7 +65,7 @@ def compose(run, into, name, select, outer_lr, momentum, previous, weighting, dt
 @click.command("eval")
 @run_arg
 @click.option("--dataset", required=True, help="A dataset written by `paths shard` (documents: perplexity; prompts: answer accuracy).")
-@click.option("--model", "models", multiple=True, help="base, path:ID, composed:NAME or hf:DIR; repeatable (default: base and every composed model).")
+@click.option("--model", "models", multiple=True, help="base, path:ID, expert:NAME, composed:NAME (an MoE or an ensemble) or hf:DIR; repeatable (default: base and every composed model).")
 @click.option("--split", type=click.Choice(["heldout", "train"]), default="heldout", show_default=True)
 @click.option("--seq-len", default=256, show_default=True, help="Window length for perplexity.")
 @click.option("--max-tokens", default=50_000, show_default=True, help="Tokens scored per path shard at most.")

@@ -32,6 +32,7 @@ def _fields_options(f):
 @click.option("--answer-field", help="Record field with the answer (--kind prompts; default 'answer').")
 @click.option("--kind", type=click.Choice(["documents", "prompts"]), default="documents", show_default=True, help="documents: token streams for lm; prompts: prompt + answer per path for RL.")
 @click.option("--router", type=click.Choice(["hash", "domain", "moe", "kmeans"]), default="hash", show_default=True)
+@click.option("--targets", type=click.Choice(["paths", "domains"]), default="paths", show_default=True, help="domains (with --router domain): one shard per registered expert domain, read by every expert of that domain.")
 @click.option("--router-name", help="Save the router as router/NAME/ (default: the dataset name).")
 @click.option("--domain-map", type=click.Path(dir_okay=False), help="JSON/TOML table: domain = path id (or expert index on one-level plans).")
 @click.option("--features-model", type=click.Path(file_okay=False), help="kmeans: an HF encoder folder for features (default: the base model's hidden states).")
@@ -45,14 +46,14 @@ def _fields_options(f):
 @click.option("--seed", default=0, show_default=True, help="Seed of the k-means fit.")
 @click.option("--overwrite", is_flag=True, help="Replace a dataset (and the router it made) written with other options.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest's summary as JSON.")
-def shard(run, dataset, inputs, fmt, text_field, id_field, domain_field, on_error, answer_field, kind, router, router_name, domain_map, features_model, prefix_tokens, fit_sample, balance, slack, holdout, workers, limit, seed, overwrite, as_json) -> None:
+def shard(run, dataset, inputs, fmt, text_field, id_field, domain_field, on_error, answer_field, kind, router, targets, router_name, domain_map, features_model, prefix_tokens, fit_sample, balance, slack, holdout, workers, limit, seed, overwrite, as_json) -> None:
     """Route documents to paths and write data/DATASET/<path>.zarr, manifest last."""
     from sharding.shard import ShardOptions, shard as do
     from storage.layout import open_run
 
     opts = ShardOptions(
         dataset=dataset, inputs=list(inputs), format=fmt, text_field=text_field, id_field=id_field,
-        domain_field=domain_field, answer_field=answer_field, kind=kind, router=router, router_name=router_name,
+        domain_field=domain_field, answer_field=answer_field, kind=kind, router=router, targets=targets, router_name=router_name,
         domain_map=domain_map, features_model=features_model, prefix_tokens=prefix_tokens, fit_sample=fit_sample,
         balance=balance, slack=slack, holdout=holdout, limit=limit, on_error=on_error, seed=seed,
     )

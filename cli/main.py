@@ -31,10 +31,11 @@ def main(debug: bool) -> None:
 
 
 def _register() -> None:
-    from cli import compose_cmds, data_cmds, model_cmds, quickstart, storage_cmds, work_cmds
+    from cli import compose_cmds, data_cmds, expert_cmds, model_cmds, quickstart, storage_cmds, work_cmds
 
     for command in (model_cmds.init, model_cmds.upcycle, model_cmds.plan, model_cmds.decompose, model_cmds.materialize):
         main.add_command(command)
+    main.add_command(expert_cmds.expert)
     main.add_command(data_cmds.shard)
     main.add_command(data_cmds.route)
     for command in (work_cmds.claim, work_cmds.train, work_cmds.release, work_cmds.status, work_cmds.gen_tasks):

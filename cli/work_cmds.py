@@ -11,20 +11,23 @@ run_arg = click.argument("run", envvar="PATHS_RUN")
 
 @click.command("claim")
 @run_arg
-@click.option("--path", "path_id", help="Claim this path only (default: any claimable one).")
+@click.option("--path", "path_id", help="Claim this path or domain expert only (default: any claimable one).")
 @click.option("--ttl", default=600.0, show_default=True, help="Lease length in seconds; `paths train` renews it.")
 @click.option("--worker", help="Worker name recorded in the claim (default: hostname-<random>).")
 def claim(run: str, path_id, ttl: float, worker) -> None:
     """Claim a path through the store; prints its id. Exit 3 when nothing is left to claim."""
+    from experts.domain import units
     from paths.claims import claim as do, save_local
-    from paths.decompose import decomposed_paths
+    from paths.errors import ConfigurationError
     from storage.layout import open_run
 
     r = open_run(run)
-    _, ids = decomposed_paths(r)
+    ids = units(r)
+    if not ids:
+        raise ConfigurationError(f"{run} has nothing to claim: decompose it (`paths decompose`) or register experts (`paths expert add`)")
     if path_id is not None:
         if path_id not in ids:
-            raise click.BadParameter(f"{path_id} is not a decomposed path of {run}", param_hint="--path")
+            raise click.BadParameter(f"{path_id} is neither a decomposed path nor a registered expert of {run}", param_hint="--path")
         ids = [path_id]
     lease = do(r, ids, ttl=ttl, worker=worker)
     where = save_local(lease)
@@ -37,7 +40,7 @@ def claim(run: str, path_id, ttl: float, worker) -> None:
 @click.option("--path", "path_id", help="The claimed path (default: the one `paths claim` recorded).")
 @click.option("--mode", type=click.Choice(["lm", "sft", "grpo"]), default="lm", show_default=True)
 @click.option("--dataset", required=True, help="A dataset written by `paths shard` (prompts with --kind prompts for sft).")
-@click.option("--steps", type=int, help="Optimizer steps (default: the config's).")
+@click.option("--steps", type=int, help="Optimizer steps (default: a domain expert's own budget, else the config's).")
 @click.option("--checkpoint-every", type=int, help="Steps between checkpoints.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="A TOML like configs/train/default.toml.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override one setting (repeatable), e.g. --set lr=1e-4.")
@@ -65,6 +68,11 @@ def train(run, path_id, mode, dataset, steps, checkpoint_every, config_file, set
     cfg = load_config(config_file, sets, steps=steps, checkpoint_every=checkpoint_every, **grpo)
     r = open_run(run or claimed_run())
     lease, path_id = lease_for_rank(r, path_id)
+    if steps is None:
+        from experts.domain import expert_info, is_expert
+
+        if is_expert(r, path_id) and expert_info(r, path_id).get("steps"):
+            cfg = load_config(config_file, sets, steps=expert_info(r, path_id)["steps"], checkpoint_every=checkpoint_every, **grpo)
     summary = do(r, path_id, mode, dataset, cfg, lease, show_progress=not no_progress, rewards=list(rewards), init=init)
     if "final" in summary:  # rank 0 (other ranks write nothing)
         click.echo(f"trained {summary['path']}: {summary['steps']} steps, {summary['tokens']:,} tokens, final loss {summary['final_loss']:.4f} -> {summary['final']}")

@@ -1,6 +1,7 @@
 """`paths eval`: perplexity per path shard for any mix of models; reward accuracy on prompts.
 
-Models: `base` (the run's MoE), `path:ID` (a trained path's final/), `composed:NAME`, `hf:DIR`.
+Models: `base` (the run's MoE), `path:ID` / `expert:NAME` (a trained final/), `composed:NAME` (an
+MoE, or an ensemble: loaded with its shipped modeling file), `hf:DIR`.
 For a documents dataset every model is scored on every path's shard (held-out split by default):
 token-level perplexity over non-overlapping windows of seq_len + 1 tokens, per shard and overall
 (token-weighted). For a prompts dataset: the share of greedy completions that `math_answer`
@@ -35,7 +36,7 @@ def load_model(run: Run, spec: str, scratch: str):
     if spec == "base":
         folder = fetch_dir(run, run.base)
         tok_folder = fetch_dir(run, run.tokenizer)
-    elif kind == "path" and arg:
+    elif kind in ("path", "expert") and arg:
         from paths.train import fetch_final
 
         folder = os.path.join(scratch, f"path-{arg}")
@@ -50,9 +51,13 @@ def load_model(run: Run, spec: str, scratch: str):
     elif kind == "hf" and arg:
         folder = tok_folder = arg
     else:
-        raise ConfigurationError(f"--model {spec!r}: use base, path:ID, composed:NAME or hf:DIR")
+        raise ConfigurationError(f"--model {spec!r}: use base, path:ID, expert:NAME, composed:NAME or hf:DIR")
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        with open(os.path.join(folder, "config.json")) as f:
+            ensemble = json.load(f).get("model_type") == "paths_ensemble"  # ours: its modeling file ships inside
+        if ensemble:
+            tok_folder = fetch_dir(run, run.tokenizer)  # the same files; AutoTokenizer would read the remote-code config
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=ensemble).eval()
         tokenizer = AutoTokenizer.from_pretrained(tok_folder)
     except (OSError, ValueError) as exc:
         raise ConfigurationError(f"--model {spec}: cannot load {folder} ({exc})") from None

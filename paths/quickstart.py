@@ -63,12 +63,97 @@ def stages(root: str = DEFAULT_ROOT) -> Iterator[Stage]:
     yield f"paths compose {root} --into moe --name {COMPOSED} --overwrite", lambda: _compose(run)
     models = ["base", *(f"path:{p}" for p in sorted(set(DOMAINS.values()))), f"composed:{COMPOSED}"]
     yield f"paths eval {root} --dataset {DATASET} " + " ".join(f"--model {m}" for m in models), lambda: _eval(run, models)
+    yield from _hdee_stages(run, root, corpus)
     out = os.path.join(os.path.dirname(os.path.abspath(root)), f"quickstart-{PATH}")
     yield f"paths materialize {root} --path {PATH} --out {out}", lambda: materialize(run, PATH, out)
     yield f"AutoModelForCausalLM.from_pretrained({out!r})", lambda: _load(out)
     yield f"paths storage ls {root} --prefix composed/{COMPOSED}", lambda: admin.ls(run, f"composed/{COMPOSED}")
     yield f"paths storage du {root}", lambda: admin.du(run)
     yield f"paths storage verify {root}", lambda: admin.verify(run)
+
+
+# HDEE: domain experts of different sizes and step budgets (harder domains get more), against
+# the same three domains with one size and budget, each set ensembled (ELMForest posterior).
+HDEE = {"code-m": ("code", "tiny-m", 40), "prose-s": ("prose", "tiny-s", 30), "math-xs": ("math", "tiny-xs", 20)}
+HOMOGENEOUS = {"code-h": ("code", "tiny-s", 30), "prose-h": ("prose", "tiny-s", 30), "math-h": ("math", "tiny-s", 30)}
+EXPERT_DATASET = "experts"
+
+
+def _hdee_stages(run, root: str, corpus: str) -> Iterator[Stage]:
+    for name, (domain, preset, steps) in {**HDEE, **HOMOGENEOUS}.items():
+        yield f"paths expert add {root} --name {name} --domain {domain} --preset {preset} --steps {steps}", lambda n=name: _add_expert(run, n)
+    yield f"paths expert ls {root}", lambda: _experts(run)
+    yield (
+        f"paths shard {root} --dataset {EXPERT_DATASET} --input '{corpus}/*.jsonl' --id-field id --router domain --targets domains --domain-field domain --holdout 0.1",
+        lambda: _shard_experts(run, corpus),
+    )
+    yield f"while paths claim {root} --ttl 60; do paths train --dataset {EXPERT_DATASET}; done   (each expert runs its own --steps budget)", lambda: _train_experts(run)
+    for name, members in (("hdee", HDEE), ("homogeneous", HOMOGENEOUS)):
+        yield (
+            f"paths compose {root} --into ensemble --name {name} --members {','.join(members)} --mix posterior --prior-data {EXPERT_DATASET} --overwrite",
+            lambda n=name, m=members: _ensemble(run, n, list(m)),
+        )
+    models = [f"composed:{COMPOSED}", "composed:homogeneous", "composed:hdee", *(f"expert:{n}" for n in HDEE)]
+    yield f"paths eval {root} --dataset {EXPERT_DATASET} " + " ".join(f"--model {m}" for m in models), lambda: _eval_experts(run, models)
+
+
+def _add_expert(run, name: str) -> str:
+    from experts.domain import add_expert, expert_info
+
+    domain, preset, steps = {**HDEE, **HOMOGENEOUS}[name]
+    if run.store.exists(f"{run.expert(name)}/manifest.json"):
+        info = expert_info(run, name)
+        return f"expert {name} is already registered ({info['parameters']:,} parameters)"
+    info = add_expert(run, name, domain, preset=preset, steps=steps)
+    return f"expert {name} ({domain}): {info['config']['num_hidden_layers']} layers x {info['config']['hidden_size']}, {info['parameters']:,} parameters, {steps} steps"
+
+
+def _experts(run) -> str:
+    from experts.domain import list_experts
+
+    rows = [f"{n:8} {e['domain']:6} {e['parameters']:>9,} parameters  {e['steps']} steps" for n, e in list_experts(run).items()]
+    return "\n".join(rows)
+
+
+def _shard_experts(run, corpus: str) -> dict[str, Any]:
+    from sharding.shard import ShardOptions, shard
+
+    return shard(run, ShardOptions(dataset=EXPERT_DATASET, inputs=[f"{corpus}/*.jsonl"], id_field="id", router="domain", targets="domains", domain_field="domain", holdout=0.1))
+
+
+def _train_experts(run) -> str:
+    """The worker loop over the experts: each trains its own budget."""
+    from experts.domain import expert_info, list_experts
+    from paths.claims import claim
+    from paths.errors import NothingToClaim
+    from paths.train import train
+    from paths.train_config import load_config
+
+    lines = []
+    while True:
+        try:
+            lease = claim(run, list(list_experts(run)), ttl=60, worker="quickstart")
+        except NothingToClaim:
+            break
+        cfg = load_config(sets=["seq_len=128", "batch_size=8", "warmup_steps=2", "lr=2e-3"], steps=expert_info(run, lease.path)["steps"], checkpoint_every=0)
+        out = train(run, lease.path, "lm", EXPERT_DATASET, cfg, lease, show_progress=False)
+        lines.append(f"{out['path']}: {out['steps']} steps, {out['tokens']:,} tokens, loss {out['final_loss']:.3f}")
+    return "\n".join(sorted(lines) + ["nothing left to claim (exit 3)"]) if lines else "every expert is already trained (nothing to claim: exit 3)"
+
+
+def _ensemble(run, name: str, members: list[str]) -> str:
+    from compose.ensemble import compose_ensemble
+
+    record = compose_ensemble(run, name, members=members, mix="posterior", prior_data=EXPERT_DATASET, prior_docs=100, overwrite=True)
+    prior = ", ".join(f"{m} {p:.2f}" for m, p in zip(record["order"], record["prior"]))
+    return f"ensemble composed/{name}: {', '.join(record['order'])}; cached prior {prior} (loads with trust_remote_code=True)"
+
+
+def _eval_experts(run, models: list[str]) -> str:
+    domains = {d: d for d in ("code", "math", "prose")}
+    return _eval_domains(run, EXPERT_DATASET, models, domains, "heldout") + (
+        "\n(hdee: experts sized and trained by domain; homogeneous: one size and budget; the MoE was trained on the moe-routed corpus)"
+    )
 
 
 def _init(init_run: Callable[..., dict], root: str) -> str:

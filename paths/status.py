@@ -6,13 +6,14 @@ import time
 from typing import Any
 
 from paths.claims import claimable, read_claim
-from paths.decompose import decomposed_paths
 from storage.layout import Run
 
 
 def status(run: Run) -> list[dict[str, Any]]:
-    """One row per decomposed path."""
-    _, ids = decomposed_paths(run)
+    """One row per decomposed path and per registered domain expert."""
+    from experts.domain import units
+
+    ids = units(run)
     now = time.time()
     rows = []
     for pid in ids:

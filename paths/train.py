@@ -204,7 +204,8 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
     from transformers.utils import logging as hf_logging
 
     from paths.decompose import materialize
-    from sharding.dataset import PathDataset, path_entry
+    from experts.domain import data_id, is_expert, materialize_expert
+    from sharding.dataset import PathDataset, dataset_manifest, path_entry
 
     if mode not in ("lm", "sft", "grpo"):
         raise ConfigurationError(f"--mode {mode!r} is not a training mode: use lm, sft or grpo")
@@ -218,7 +219,8 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
     main = acc.is_main_process
     if not main:
         run.store.read_only = True  # only rank 0 writes to the run
-    manifest, entry = path_entry(run, dataset, path_id)
+    shard_id = data_id(run, path_id, dataset_manifest(run, dataset))  # a domain expert may read its domain's shard
+    manifest, entry = path_entry(run, dataset, shard_id)
     if mode == "lm" and entry["train_tokens"] < 2:
         raise ConfigurationError(f"dataset {dataset!r} has no training tokens for path {path_id}: route data to it or pick another path")
     if mode in ("sft", "grpo") and manifest.get("data_kind") != "prompts":
@@ -232,7 +234,10 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
         if init == "final":
             previous_stage = fetch_final(run, path_id, os.path.join(local, "init"))
         elif init == "base":
-            materialize(run, path_id, os.path.join(local, "init"))
+            if is_expert(run, path_id):
+                materialize_expert(run, path_id, os.path.join(local, "init"))
+            else:
+                materialize(run, path_id, os.path.join(local, "init"))
             previous_stage = None
         else:
             raise ConfigurationError(f"--init must be base or final, got {init!r}")
@@ -240,25 +245,25 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
         model = AutoModelForCausalLM.from_pretrained(os.path.join(local, "init"), dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(local, "init"))
         if cfg.freeze == "shared":
-            from paths.decompose import run_plan
+            from paths.base import require_base
+            from paths.families import get_family
 
-            _, family, base_cfg = run_plan(run)
-            freeze_shared(model, family, base_cfg["num_hidden_layers"])
+            freeze_shared(model, get_family(require_base(run)["base"]["family"]), model.config.num_hidden_layers)
         optimizer = make_optimizer(model, cfg)
         common = dict(seed=cfg.seed, batch_size=cfg.batch_size, rank=acc.process_index, world_size=acc.num_processes)
         if mode == "lm":
-            data = PathDataset(run, dataset, path_id, cfg.seq_len, **common)
+            data = PathDataset(run, dataset, shard_id, cfg.seq_len, **common)
             step_fn = lm_step(cfg)
         elif mode == "sft":
             from paths.sft_data import SFTDataset
 
-            data = SFTDataset(run, dataset, path_id, cfg.seq_len, tokenizer, **common)
+            data = SFTDataset(run, dataset, shard_id, cfg.seq_len, tokenizer, **common)
             step_fn = lm_step(cfg)
         else:
             from paths.grpo import GRPOStep, check_prompts
             from paths.sft_data import PromptDataset
 
-            data = PromptDataset(run, dataset, path_id, cfg.seq_len, **common)
+            data = PromptDataset(run, dataset, shard_id, cfg.seq_len, **common)
             check_prompts(data.records, reward_fns, dataset)
             ref = AutoModelForCausalLM.from_pretrained(os.path.join(local, "init"), dtype=torch.float32).eval() if cfg.beta > 0 else None
             step_fn = GRPOStep(cfg, data.records, reward_fns, tokenizer, ref)
@@ -422,7 +427,9 @@ def _write_final(run, path_id, model, tokenizer, local, cfg, mode, dataset, mani
     out = os.path.join(local, "final")
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    shutil.copy(os.path.join(local, "init", "path.json"), os.path.join(out, "path.json"))
+    for identity in ("path.json", "expert.json"):  # what the unit is: a path of the plan, or a domain expert
+        if os.path.exists(os.path.join(local, "init", identity)):
+            shutil.copy(os.path.join(local, "init", identity), os.path.join(out, identity))
     provenance = {
         **summary, "config": cfg.to_json(), "dataset": dataset,
         "data_manifest_sha256": sha256_hex(json.dumps(manifest["files"], sort_keys=True).encode()),

@@ -42,6 +42,7 @@ class ReadStats:
     malformed: int = 0
     not_utf8: int = 0
     missing_field: int = 0
+    no_expert: int = 0  # --targets domains: a domain no registered expert trains on
     problems: list[str] = field(default_factory=list)  # the first few skipped, for the report
 
     def skip(self, kind: str, where: str) -> None:
@@ -50,7 +51,7 @@ class ReadStats:
             self.problems.append(where)
 
     def to_json(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("records", "empty", "malformed", "not_utf8", "missing_field")}
+        return {k: getattr(self, k) for k in ("records", "empty", "malformed", "not_utf8", "missing_field", "no_expert")}
 
 
 @dataclass(frozen=True, slots=True)

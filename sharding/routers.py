@@ -54,7 +54,7 @@ def stable_hash(text: str) -> int:
 class Router:
     """What every router shares: the plan and the target paths (in the plan's order)."""
 
-    plan: Plan
+    plan: Plan | None  # None: the targets are expert domains, not paths of a plan
     paths: list[str]
     options: dict[str, Any] = field(default_factory=dict)
     kind: ClassVar[str] = ""
@@ -82,7 +82,7 @@ class Router:
         return {}
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "plan": self.plan.to_json(), "paths": self.paths, "options": self.options}
+        return {"kind": self.kind, "plan": self.plan.to_json() if self.plan else None, "paths": self.paths, "options": self.options}
 
 
 class HashRouter(Router):
@@ -104,6 +104,9 @@ class DomainRouter(Router):
 
     def fit(self, docs: list[Doc], run: Run) -> None:
         if self.options.get("domain_map"):
+            return
+        if self.plan is None:  # targets are the experts' domains themselves
+            self.options["domain_map"] = {d: d for d in self.paths}
             return
         domains = sorted({d.record.domain for d in docs if d.record.domain is not None})
         if self.plan.levels != 1:
@@ -267,7 +270,7 @@ def make_router(kind: str, plan: Plan, paths: list[str], options: dict[str, Any]
     return KINDS[kind](plan=plan, paths=list(paths), options=dict(options))
 
 
-def load_domain_map(path: str, paths: list[str], plan: Plan) -> dict[str, str]:
+def load_domain_map(path: str, paths: list[str], plan: Plan | None) -> dict[str, str]:
     """A JSON or TOML file {domain: path id or expert index (one-level plans)}."""
     try:
         raw = open(path, "rb").read()
@@ -285,9 +288,10 @@ def load_domain_map(path: str, paths: list[str], plan: Plan) -> dict[str, str]:
         raise ConfigurationError(f"--domain-map {path} must be a non-empty table of domain = path id")
     out = {}
     for domain, target in data.items():
-        pid = plan.path_id((int(target),)) if isinstance(target, int) and plan.levels == 1 else str(target)
+        pid = plan.path_id((int(target),)) if plan is not None and isinstance(target, int) and plan.levels == 1 else str(target)
         if pid not in paths:
-            raise ConfigurationError(f"--domain-map {path} sends {domain!r} to {target!r}, which is not a decomposed path of this run")
+            what = "a registered expert domain" if plan is None else "a decomposed path"
+            raise ConfigurationError(f"--domain-map {path} sends {domain!r} to {target!r}, which is not {what} of this run")
         out[str(domain)] = pid
     return out
 
@@ -313,7 +317,7 @@ def load_router(run: Run, name: str) -> Router:
     except NotFound:
         raise NotFound(f"no router {name!r} in {run.url} (router/{name}/): shard a dataset with it first, or name another") from None
     body = json.loads(read_verified(run.store, run.router(name), "router.json"))
-    router = make_router(body["kind"], Plan.from_json(body["plan"]), body["paths"], body["options"])
+    router = make_router(body["kind"], Plan.from_json(body["plan"]) if body["plan"] else None, body["paths"], body["options"])
     tensors = load(read_verified(run.store, run.router(name), STATE))
     if isinstance(router, KMeansRouter):
         router.centroids = tensors["centroids"]

@@ -58,6 +58,7 @@ class ShardOptions:
     answer_field: str | None = None
     kind: Kind = "documents"
     router: str = "hash"
+    targets: Literal["paths", "domains"] = "paths"  # domains: one shard per registered expert domain
     router_name: str | None = None
     domain_map: str | None = None
     features_model: str | None = None
@@ -81,6 +82,10 @@ class ShardOptions:
             raise ConfigurationError(f"unknown router {self.router!r}: choose one of {', '.join(ROUTERS)}")
         if self.router == "domain" and not self.domain_field:
             raise ConfigurationError("the domain router needs --domain-field (the record field that names the domain)")
+        if self.targets not in ("paths", "domains"):
+            raise ConfigurationError(f"--targets must be paths or domains, got {self.targets!r}")
+        if self.targets == "domains" and self.router != "domain":
+            raise ConfigurationError("--targets domains shards one group per expert domain: use it with --router domain")
         if self.router == "domain" and self.balance:
             raise ConfigurationError("--balance would move documents out of their domain's path: drop it with the domain router")
         if self.kind == "prompts" and not self.answer_field:
@@ -116,10 +121,18 @@ def shard(run: Run, opts: ShardOptions, *, overwrite: bool = False, workers: int
     from paths.decompose import decomposed_paths
 
     progress = progress or (lambda event, n: None)
-    plan, path_ids = decomposed_paths(run)
+    if opts.targets == "domains":  # the domain experts' data: one shard per registered domain
+        from experts.domain import list_experts
+
+        domains = sorted({e["domain"] for e in list_experts(run).values()})
+        if not domains:
+            raise ConfigurationError(f"--targets domains: {run.url} has no registered experts; add them with `paths expert add {run.url} --name NAME --domain D ...`")
+        plan, path_ids = None, domains
+    else:
+        plan, path_ids = decomposed_paths(run)
     files = expand(opts.inputs, storage_options)
     tokenizer, tok_hash = run_tokenizer(run)
-    fingerprint = _fingerprint(opts, files, tok_hash, plan.to_json(), path_ids, storage_options)
+    fingerprint = _fingerprint(opts, files, tok_hash, plan.to_json() if plan else None, path_ids, storage_options)
     done = _existing(run, opts.dataset, fingerprint, overwrite)
     if done is not None:
         return done
@@ -301,6 +314,12 @@ def stage_file(run: Run, opts: ShardOptions, router: Router, files: list[str], i
                 batch = []
         docs += _encode(batch, tokenizer, opts.kind)
         progress("docs", len(batch))
+    if opts.targets == "domains":  # documents of a domain no expert trains on are left out, and counted
+        known = set(router.paths)
+        for d in docs:
+            if d.record.domain not in known:
+                stats.skip("no_expert", f"{d.record.id or '?'} (domain {d.record.domain!r})")
+        docs = [d for d in docs if d.record.domain in known]
     arrays = _part_arrays(docs, opts, router, run)
     meta = {
         "fingerprint": fid, "input": files[index], "docs": str(len(docs)),

@@ -27,7 +27,7 @@ from storage.url import open_store
 FORMAT_VERSION = 1
 RUN_JSON = "run.json"
 COMMITTED = "COMMITTED"
-AREAS = ("base", "tokenizer", "paths", "router", "data", "claims", "work", "composed", "eval", "rounds")
+AREAS = ("base", "tokenizer", "paths", "experts", "router", "data", "claims", "work", "composed", "eval", "rounds")
 _NAME = re.compile(r"[A-Za-z0-9._-]+")
 _CKPT = re.compile(r"ckpt-(\d+)")
 
@@ -71,6 +71,10 @@ class Run:
     def path_init(self, path_id: str) -> str:
         """paths/<path>/init/ — optional standalone dense checkpoint."""
         return f"{self.path_dir(path_id)}/init"
+
+    def expert(self, name: str) -> str:
+        """experts/<name>/ — a domain expert: expert.json and its starting weights in init/."""
+        return f"experts/{validate_name('expert', name)}"
 
     def router(self, name: str) -> str:
         """router/<name>/"""
