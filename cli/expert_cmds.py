@@ -19,7 +19,7 @@ def expert() -> None:
 @click.option("--name", required=True, help="The expert's id (claims, work/NAME/, --members).")
 @click.option("--domain", required=True, help="The domain whose documents it trains on (the `domain` field of the records).")
 @click.option("--from", "from_dir", type=click.Path(file_okay=False), help="A dense HF causal LM folder (safetensors) with the run's tokenizer.")
-@click.option("--preset", help="A size from configs/experts/ (tiny-xs, tiny-s, tiny-m, small, small-half, 150m), built as the base family's dense model.")
+@click.option("--preset", help="A size from configs/experts/ (tiny-xs, tiny-s, tiny-m, small-half, small, small-xl, 150m), built as the base family's dense model.")
 @click.option("--branch-from", help="Start from another expert's trained final/ (Branch-Train-Merge).")
 @click.option("--steps", type=int, help="Its step budget: what `paths train` runs when given no --steps.")
 @click.option("--seed", default=0, show_default=True, help="--preset: initialisation seed.")
