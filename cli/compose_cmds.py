@@ -97,3 +97,32 @@ def next_round(run: str, source: str) -> None:
         raise click.BadParameter(f"{source!r}: use composed:NAME", param_hint="--from")
     out = do(open_run(run), name)
     click.echo(f"round {out['round']} started from composed/{name}: {out['paths']} paths decomposed again; round {out['round'] - 1} kept in {out['archive']}/")
+
+
+@click.command("finetune-moe")
+@run_arg
+@click.option("--model", "source", required=True, help="composed:NAME, the MoE to fine-tune.")
+@click.option("--dataset", required=True, help="A documents dataset; batches come from every path's shard in turn.")
+@click.option("--out", help="Output: composed/OUT/ (default: NAME-ft).")
+@click.option("--train", "what", type=click.Choice(["router", "all"]), default="router", show_default=True, help="router: only the routers learn (BTX's token-level routing); all: every weight.")
+@click.option("--steps", type=int, help="Optimizer steps (default: the config's).")
+@click.option("--aux-loss", default=0.01, show_default=True, help="Weight of the Switch load-balancing loss.")
+@click.option("--moe-backend", type=click.Choice(["auto", "reference", "megablocks"]), default="auto", show_default=True, help="auto: megablocks on CUDA when installed, else the pure-torch reference.")
+@click.option("--checkpoint-every", type=int, help="Steps between checkpoints (work/moe-OUT/).")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="A TOML like configs/train/default.toml.")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override one training setting (repeatable).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing composed/OUT/.")
+@click.option("--no-progress", is_flag=True)
+def finetune_moe(run, source, dataset, out, what, steps, aux_loss, moe_backend, checkpoint_every, config_file, sets, overwrite, no_progress) -> None:
+    """Fine-tune a composed MoE's routing (Branch-Train-MiX) on data mixed from every path."""
+    from compose.finetune import finetune_moe as do
+    from paths.train_config import load_config
+    from storage.layout import open_run
+
+    kind, _, name = source.partition(":")
+    if kind != "composed" or not name:
+        raise click.BadParameter(f"{source!r}: use composed:NAME", param_hint="--model")
+    cfg = load_config(config_file, sets, steps=steps, checkpoint_every=checkpoint_every)
+    summary = do(open_run(run), name, dataset, out or f"{name}-ft", cfg, train=what, aux_loss=aux_loss, backend=moe_backend, overwrite=overwrite, show_progress=not no_progress)
+    click.echo(f"fine-tuned {summary['train']} of composed/{name} for {summary['steps']} steps ({summary['tokens']:,} tokens, {summary['backend']}); "
+               f"final loss {summary['final_loss']:.4f} -> {run}/composed/{summary['name']}")

@@ -1,0 +1,149 @@
+"""MoE blocks and `paths finetune-moe`: the pure-torch reference block equals transformers' own MoE
+forward (Mixtral and Qwen3-MoE) and backward; router training lowers held-out loss on mixed
+data and leaves every other weight bitwise alone; resume after a crash is exact; megablocks
+equals the reference on CUDA (marked gpu)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from cli.main import main
+from compose.finetune import finetune_moe
+from compose.merge import compose_moe
+from experts.moe import load_balancing_loss, patched
+from paths.base import build_model, load_spec, preset_path
+from paths.errors import ConfigurationError
+from paths.families import get_family
+from paths.train import train
+from paths.train_config import load_config
+from sharding.shard import ShardOptions, shard
+from storage.layout import open_run
+from tests.sharding.conftest import docs, make_run, write_jsonl
+
+FAMILIES = {"tiny-mixtral": "mixtral", "tiny-qwen3moe": "qwen3_moe"}
+
+
+def tiny(preset: str, seed: int = 0):
+    model = build_model(load_spec(preset_path(preset), preset), seed).float().eval()
+    with torch.no_grad():  # routers that differ per token (Qwen3-MoE initialises them to zero)
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("preset", sorted(FAMILIES))
+def test_the_reference_block_equals_transformers_moe(preset):
+    model = tiny(preset)
+    family = get_family(FAMILIES[preset])
+    x = torch.randint(3, model.config.vocab_size, (3, 17))
+    theirs = model(x).logits
+    theirs.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    with patched(model, family, "reference") as found:
+        ours = model(x).logits
+        ours.sum().backward()
+        assert len(found) == model.config.num_hidden_layers and all(len(b.logits) == 1 for b in found)
+        assert load_balancing_loss(found) > 0
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-5)
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, grads[n], atol=1e-5, rtol=1e-4), n
+    assert torch.equal(model(x).logits, theirs)  # transformers' forward is back
+
+
+@pytest.fixture(scope="module")
+def composed(tmp_path_factory, tokenizer_dir):
+    """A one-level tiny Mixtral whose 4 paths trained on moe-routed data, composed."""
+    folder = tmp_path_factory.mktemp("btx")
+    run = make_run(str(folder / "run"), tokenizer_dir, 1)
+    files = [write_jsonl(str(folder / "in" / "a.jsonl"), docs(600))]
+    shard(run, ShardOptions(dataset="mix", inputs=files, id_field="id", router="moe", holdout=0.1))
+    for pid in ("p00", "p01", "p02", "p03"):
+        train(run, pid, "lm", "mix", load_config(sets=["seq_len=32", "batch_size=4", "warmup_steps=1", "lr=3e-3"], steps=8, checkpoint_every=0), None, show_progress=False)
+    compose_moe(run, "btx", router="centroid", router_data="mix")
+    return run
+
+
+def heldout_loss(run, name: str) -> float:
+    from compose.evaluate import evaluate
+
+    return evaluate(run, "mix", [f"composed:{name}"], split="heldout", seq_len=32)["table"][f"composed:{name}"]["overall"]
+
+
+FT = ["seq_len=32", "batch_size=4", "warmup_steps=2", "lr=2e-2", "weight_decay=0"]
+
+
+def test_router_training_lowers_heldout_loss_and_touches_only_routers(composed):
+    cfg = load_config(sets=FT, steps=30, checkpoint_every=0)
+    summary = finetune_moe(composed, "btx", "mix", "btx-ft", cfg, train="router", aux_loss=0.01, backend="reference", show_progress=False)
+    assert summary["backend"] == "reference" and summary["shards"] == ["p00", "p01", "p02", "p03"]
+    before, after = heldout_loss(composed, "btx"), heldout_loss(composed, "btx-ft")
+    assert after < before, (before, after)
+    old = load_file(composed.store.path("composed/btx/model.safetensors"))
+    new = load_file(composed.store.path("composed/btx-ft/model.safetensors"))
+    assert old.keys() == new.keys()  # the family's own layout, loadable by transformers
+    changed = {k for k in old if not torch.equal(old[k], new[k])}
+    assert changed and all(k.endswith("gate.weight") for k in changed), sorted(changed)[:4]
+
+
+def test_finetune_resumes_exactly_after_a_crash(composed, monkeypatch):
+    from paths import checkpoint
+
+    cfg = load_config(sets=FT, steps=6, checkpoint_every=3)
+    finetune_moe(composed, "btx", "mix", "straight", cfg, backend="reference", show_progress=False)
+    real = checkpoint.prune
+
+    def crash(*a, **k):
+        real(*a, **k)
+        raise KeyboardInterrupt("killed after a checkpoint")
+
+    monkeypatch.setattr(checkpoint, "prune", crash)
+    with pytest.raises(KeyboardInterrupt):
+        finetune_moe(composed, "btx", "mix", "resumed", cfg, backend="reference", show_progress=False)
+    monkeypatch.setattr(checkpoint, "prune", real)
+    summary = finetune_moe(composed, "btx", "mix", "resumed", cfg, backend="reference", show_progress=False)
+    assert summary["resumed_from"] == 3
+    a = load_file(composed.store.path("composed/straight/model.safetensors"))
+    b = load_file(composed.store.path("composed/resumed/model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_finetune_bad_input(composed):
+    cfg = load_config(sets=FT, steps=1)
+    with pytest.raises(ConfigurationError, match="--train must be router or all"):
+        finetune_moe(composed, "btx", "mix", "x", cfg, train="experts")
+    with pytest.raises(ConfigurationError, match="already exists"):
+        finetune_moe(composed, "btx", "mix", "btx", cfg)
+    result = CliRunner().invoke(main, ["finetune-moe", composed.url, "--model", "composed:nope", "--dataset", "mix"])
+    assert result.exit_code == 1 and "no composed model 'nope'" in result.output
+    if not torch.cuda.is_available():
+        result = CliRunner().invoke(main, ["finetune-moe", composed.url, "--model", "composed:btx", "--dataset", "mix", "--out", "y", "--moe-backend", "megablocks"])
+        assert result.exit_code == 1 and "needs CUDA and the megablocks package" in result.output
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", sorted(FAMILIES))
+def test_megablocks_equals_the_reference_in_bf16(preset):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("megablocks")
+    model = tiny(preset).to("cuda", torch.bfloat16)
+    family = get_family(FAMILIES[preset])
+    x = torch.randint(3, model.config.vocab_size, (2, 64), device="cuda")
+    with patched(model, family, "reference"):
+        ref = model(x).logits.float()
+        ref.sum().backward()
+    ref_grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    with patched(model, family, "megablocks"):
+        ours = model(x).logits.float()
+        ours.sum().backward()
+    assert torch.allclose(ours, ref, atol=5e-2, rtol=5e-2)
+    for n in ("model.embed_tokens.weight", "lm_head.weight"):  # gradients through the whole model
+        assert torch.allclose(model.get_parameter(n).grad.float(), ref_grads[n], atol=5e-2, rtol=5e-2), n
