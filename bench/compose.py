@@ -106,6 +106,7 @@ def main() -> None:
     )
     results = {}
     for name, code in (("mergekit", mergekit), ("ours", ours), ("cp", cp_code)):
+        os.sync()  # nobody pays for the previous step's dirty pages
         results[name] = child(code)
     nbytes = sum(os.path.getsize(p) for p in inputs)
     composed = os.path.join(run_dir, "composed", "bench")

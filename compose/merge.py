@@ -349,6 +349,7 @@ def compose_moe(
                 # thread (torch, hashing and file writes release the GIL); memory stays ~ AHEAD + 1
                 # tensors per input.
                 pending = deque(pool.submit(compute, e) for e in order[:AHEAD])
+                flushed = 0
                 for i in range(len(order)):
                     data = pending.popleft().result()
                     if i + AHEAD < len(order):
@@ -356,6 +357,7 @@ def compose_moe(
                     hashed = hasher.submit(digest.update, data)
                     f.write(data)
                     hashed.result()
+                    flushed = _start_writeback(f, flushed, hasher)
             hashes[fname] = digest.hexdigest()
         if out_dtype is not None and any(f.endswith(".index.json") for f in base_files):
             raise ConfigurationError("--dtype with a sharded base is not supported yet: compose in the base's dtype")
@@ -444,6 +446,21 @@ def _config_files(run: Run, base_files, family, out: OptOut, out_dtype, dtype: s
             index["weight_map"] = dict(sorted(weight_map.items()))
             changed[fname] = json.dumps(index, indent=2).encode()
     return changed
+
+
+WRITEBACK = 64 << 20
+
+
+def _start_writeback(f, flushed: int, pool: ThreadPoolExecutor) -> int:
+    """Every 64 MiB written, have a background thread ask the kernel to write those pages to disk
+    now, so the fsync before the file is moved into place finds little left (writing overlaps
+    merging); the pages leave the cache, which nothing reads again."""
+    end = f.tell()
+    if end - flushed < WRITEBACK or not hasattr(os, "posix_fadvise"):
+        return flushed
+    f.flush()
+    pool.submit(os.posix_fadvise, f.fileno(), flushed, end - flushed, os.POSIX_FADV_DONTNEED)  # Linux: starts writeback
+    return end
 
 
 def _scratch(run: Run) -> str:

@@ -61,7 +61,11 @@ def stages(root: str = DEFAULT_ROOT) -> Iterator[Stage]:
         lambda: _grpo(run),
     )
     yield f"paths compose {root} --into moe --name {COMPOSED} --overwrite", lambda: _compose(run)
-    models = ["base", *(f"path:{p}" for p in sorted(set(DOMAINS.values()))), f"composed:{COMPOSED}"]
+    yield (
+        f"paths finetune-moe {root} --model composed:{COMPOSED} --dataset {LM_DATASET} --train router --steps {FT_STEPS} --overwrite   (Branch-Train-MiX: routers learn on mixed data)",
+        lambda: _finetune(run),
+    )
+    models = ["base", *(f"path:{p}" for p in sorted(set(DOMAINS.values()))), f"composed:{COMPOSED}", f"composed:{COMPOSED}-ft"]
     yield f"paths eval {root} --dataset {DATASET} " + " ".join(f"--model {m}" for m in models), lambda: _eval(run, models)
     yield from _hdee_stages(run, root, corpus)
     out = os.path.join(os.path.dirname(os.path.abspath(root)), f"quickstart-{PATH}")
@@ -300,6 +304,18 @@ def _compose(run) -> str:
 
     record = compose_moe(run, COMPOSED, overwrite=True)
     return f"composed {len(record['paths'])} trained paths into composed/{COMPOSED}: {len(record['tensors'])} tensors updated in {record['seconds']}s (loads with AutoModelForCausalLM)"
+
+
+FT_STEPS = 10
+
+
+def _finetune(run) -> str:
+    from compose.finetune import finetune_moe
+    from paths.train_config import load_config
+
+    cfg = load_config(sets=["seq_len=64", "batch_size=4", "warmup_steps=1", "lr=1e-2", "weight_decay=0"], steps=FT_STEPS, checkpoint_every=0)
+    out = finetune_moe(run, COMPOSED, LM_DATASET, f"{COMPOSED}-ft", cfg, train="router", overwrite=True, show_progress=False)
+    return f"composed/{out['name']}: routers trained {out['steps']} steps on {len(out['shards'])} path shards in turn ({out['tokens']:,} tokens, {out['backend']} MoE blocks), final loss {out['final_loss']:.3f}"
 
 
 def _eval(run, models: list[str]) -> str:

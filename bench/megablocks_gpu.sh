@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The GPU check of issue 9, as one script (about 10 minutes on one H100/H200):
+#   1. build megablocks against the installed torch (no torch upgrade),
+#   2. run the `gpu`-marked tests (megablocks forward and backward vs the pure-torch reference),
+#   3. measure tokens/s of megablocks vs the reference vs transformers' own MoE forward+backward at
+#      the dipaco-16x16-150m preset (bench/moe_speed.py), printing the ratios.
+# Usage: bash bench/megablocks_gpu.sh   (writes bench/out/moe_speed.jsonl)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+if [ ! -x "$PY" ]; then
+    python3 -m venv .venv
+    .venv/bin/pip install -q "torch>=2.4,<2.15"
+    PY=.venv/bin/python
+fi
+TORCH=$($PY -c "import torch; print(torch.__version__.split('+')[0])")
+$PY -m pip install -q -e ".[dev]" "torch==$TORCH"
+# megablocks' wheel pins its own torch; build it against ours instead
+$PY -m pip install -q --no-build-isolation --no-deps "megablocks>=0.10" stanford-stk grouped_gemm || {
+    echo "megablocks did not build against torch $TORCH"; exit 1; }
+timeout 300 $PY -m pytest -q -m gpu tests/compose/test_finetune_moe.py
+timeout 300 $PY bench/moe_speed.py --preset dipaco-16x16-150m
