@@ -197,3 +197,17 @@ def test_bad_input_is_one_line(hdee, tmp_path, tokenizer_dir):
         AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
     result = CliRunner().invoke(main, ["compose", hdee.url, "--into", "ensemble", "--name", "y", "--members", ""])
     assert result.exit_code == 1 and "--members is empty" in result.output
+
+
+def test_generate_with_left_padding_equals_each_prompt_alone(hdee):
+    compose_ensemble(hdee, "pad", members=["code-xs", "math-s"], prior="uniform", overwrite=True)
+    model = load(hdee, "pad")
+    long, short = heldout(hdee, "math", 1, tokens=14)[0], heldout(hdee, "code", 1, tokens=9)[0]
+    batch = torch.zeros(2, 14, dtype=torch.long)
+    mask = torch.zeros(2, 14, dtype=torch.long)
+    batch[0], mask[0] = long, 1
+    batch[1, 5:], mask[1, 5:] = short, 1
+    with torch.no_grad():
+        together = model.generate(batch, attention_mask=mask, max_new_tokens=6, eos_token_id=[])
+        alone = [model.generate(p[None], max_new_tokens=6, eos_token_id=[])[0, -6:] for p in (long, short)]
+    assert torch.equal(together[0, -6:], alone[0]) and torch.equal(together[1, -6:], alone[1])
