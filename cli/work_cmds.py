@@ -65,14 +65,15 @@ def train(run, path_id, mode, dataset, steps, checkpoint_every, config_file, set
     from paths.train_config import load_config
     from storage.layout import open_run
 
-    cfg = load_config(config_file, sets, steps=steps, checkpoint_every=checkpoint_every, **grpo)
+    import dataclasses
+
+    from experts.domain import step_budget
+
+    cfg = load_config(config_file, sets, steps=steps, checkpoint_every=checkpoint_every, **grpo)  # bad settings fail first
     r = open_run(run or claimed_run())
     lease, path_id = lease_for_rank(r, path_id)
-    if steps is None:
-        from experts.domain import expert_info, is_expert
-
-        if is_expert(r, path_id) and expert_info(r, path_id).get("steps"):
-            cfg = load_config(config_file, sets, steps=expert_info(r, path_id)["steps"], checkpoint_every=checkpoint_every, **grpo)
+    if steps is None and (budget := step_budget(r, path_id)):
+        cfg = dataclasses.replace(cfg, steps=budget)  # a domain expert's own budget
     summary = do(r, path_id, mode, dataset, cfg, lease, show_progress=not no_progress, rewards=list(rewards), init=init)
     if "final" in summary:  # rank 0 (other ranks write nothing)
         click.echo(f"trained {summary['path']}: {summary['steps']} steps, {summary['tokens']:,} tokens, final loss {summary['final_loss']:.4f} -> {summary['final']}")

@@ -33,9 +33,9 @@ Mix = Literal["posterior", "uniform", "router"]
 def finished_units(run: Run) -> list[str]:
     """Registered experts with a final/, else paths with one."""
     from compose.merge import finished_paths
-    from experts.domain import list_experts
+    from experts.domain import expert_names
 
-    experts = [n for n in list_experts(run) if run.store.exists(f"{run.final(n)}/manifest.json")]
+    experts = [n for n in expert_names(run) if run.store.exists(f"{run.final(n)}/manifest.json")]
     if experts:
         return experts
     try:
@@ -64,13 +64,10 @@ def _fetch_member(run: Run, spec: str, out: str) -> tuple[str, dict[str, Any]]:
     return name, {"final_checksum": sha256_hex(json.dumps(manifest["files"], sort_keys=True).encode())}
 
 
-def _same_tokenizer(run: Run, members: dict[str, str]) -> None:
-    """Refuse members whose tokenizer differs from the run's, naming them."""
+def _same_tokenizer(ours, members: dict[str, str]) -> None:
+    """Refuse members whose tokenizer differs from the run's (`ours`), naming them."""
     from transformers import AutoTokenizer
 
-    from paths.base import run_tokenizer
-
-    ours, _ = run_tokenizer(run)
     vocab = ours.get_vocab()
     wrong = []
     for name, folder in members.items():
@@ -174,7 +171,7 @@ def compose_ensemble(
     overwrite: bool = False,
 ) -> dict[str, Any]:
     """Write composed/<name>/ as an ensemble; returns its compose.json."""
-    from paths.base import fetch_dir
+    from paths.base import fetch_dir, run_tokenizer
 
     prefix = run.composed(name)
     if run.store.exists(f"{prefix}/manifest.json") and not overwrite:
@@ -206,7 +203,8 @@ def compose_ensemble(
             folders[mname] = staging
             config = json.load(open(os.path.join(staging, "config.json")))
             record_members[mname] = {**info, "spec": spec, "model_type": config.get("model_type"), "hidden_size": config.get("hidden_size"), "num_hidden_layers": config.get("num_hidden_layers"), "vocab_size": config.get("vocab_size")}
-        _same_tokenizer(run, folders)
+        tok, _ = run_tokenizer(run)
+        _same_tokenizer(tok, folders)
         names = list(folders)
         out = os.path.join(tmp, "out")
         os.makedirs(os.path.join(out, "members"))
@@ -221,9 +219,7 @@ def compose_ensemble(
         for fname in read_manifest(run.store, run.tokenizer)["files"]:
             shutil.copy(os.path.join(tok_folder, fname), os.path.join(out, fname))
         from compose.modeling_paths_ensemble import write_config
-        from paths.base import run_tokenizer
 
-        tok, _ = run_tokenizer(run)
         vocab = min([len(tok), *(m["vocab_size"] or len(tok) for m in record_members.values())])
         write_config(
             out, members=names, mix=mix, prior=prior_values, vocab_size=vocab, router=router,

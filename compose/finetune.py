@@ -81,8 +81,8 @@ def finetune_moe(
     from experts.moe import load_balancing_loss, patched, resolve_backend
     from paths import checkpoint
     from paths.base import fetch_dir
-    from paths.families import family_of_config
-    from paths.train import lr_factor, make_optimizer, micro_loss, targets_of
+    from paths.families import family_of_config, fill
+    from paths.train import _rng_state, _set_rng_state, lr_factor, make_optimizer, micro_loss, targets_of
     from sharding.dataset import PathDataset, dataset_manifest
 
     hf_logging.disable_progress_bar()
@@ -112,7 +112,7 @@ def finetune_moe(
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
-    routers = {fill_router(family, layer) for layer in range(model.config.num_hidden_layers)}
+    routers = {fill(family.router["memory"], layer) for layer in range(model.config.num_hidden_layers)}
     for name, p in model.named_parameters():
         p.requires_grad_(train == "all" or name in routers)
     optimizer = make_optimizer(model, cfg)
@@ -125,12 +125,12 @@ def finetune_moe(
         model.load_state_dict(model_sd)
         checkpoint.load_optimizer(optimizer, opt_sd, state["optimizer"])
         data.load_state_dict(state["data"])
-        torch.set_rng_state(torch.frombuffer(bytearray(bytes.fromhex(state["rng"])), dtype=torch.uint8))
+        _set_rng_state(state["rng"])
         tokens = state["tokens"]
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg), last_epoch=start - 1) if start else torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
 
     def save(step: int, loss: float) -> None:
-        state = {**job, "step": step, "tokens": tokens, "loss": loss, "config": cfg.to_json(), "data": data.state_dict(), "rng": torch.get_rng_state().numpy().tobytes().hex()}
+        state = {**job, "step": step, "tokens": tokens, "loss": loss, "config": cfg.to_json(), "data": data.state_dict(), "rng": _rng_state()}
         checkpoint.save(run, unit, step, model, optimizer, state, lambda: None)
         checkpoint.prune(run, unit, cfg.keep_checkpoints)
 
@@ -184,9 +184,3 @@ def finetune_moe(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return summary
-
-
-def fill_router(family, layer: int) -> str:
-    from paths.families import fill
-
-    return fill(family.router["memory"], layer)

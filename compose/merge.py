@@ -226,8 +226,8 @@ def opt_out(plan, trained_ids: list[str], excluded: list[str], top_k: int) -> Op
         raise ConfigurationError(
             f"excluding {','.join(excluded)} would remove {[len(r) for r in removed]} experts per layer; a checkpoint needs one count "
             "for every layer: exclude paths whose experts line up (a one-level plan: one domain expert per path), or fewer")
-    left = E - counts.pop() if removed else E
-    if removed and left < max(1, top_k):
+    left = E - counts.pop()
+    if left < max(1, top_k):
         raise ConfigurationError(f"excluding {','.join(excluded)} leaves {left} experts per layer, fewer than the {top_k} each token uses: exclude fewer")
     return OptOut(excluded, removed, [[e for e in range(E) if e not in r] for r in removed])
 

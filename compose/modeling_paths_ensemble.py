@@ -161,17 +161,28 @@ class PathsEnsembleForCausalLM(PreTrainedModel):
         prior = self._log_prior(log_lik.device).view(J, *([1] * (log_lik.dim() - 1)))
         return torch.log_softmax(prior + log_lik, dim=0)
 
-    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+    def _prefix(self, input_ids, attention_mask, use_cache: bool = False):
+        """Every member over the sequence: (log-probs (J, B, T, V), log-likelihood of each token
+        given the ones before (J, B, T-1; padding and the first token count 0), the router's
+        choice or None, the members' caches)."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-        lp = torch.stack([self._member_step(m, input_ids, attention_mask, position_ids, None, False)[0] for m in self.members])  # (J, B, T, V)
+        steps = [self._member_step(m, input_ids, attention_mask, position_ids, None, use_cache) for m in self.members]
+        lp = torch.stack([s[0] for s in steps])
         route = self._route(input_ids, attention_mask) if self.config.mix == "router" else None
-        # log-likelihood of the prefix x_<=t under each member, without the first token (no context)
         m = (attention_mask[:, 1:] * attention_mask[:, :-1]).float()  # (B, T-1)
-        tok = lp[:, :, :-1].gather(-1, input_ids[:, 1:].expand(lp.shape[0], -1, -1).unsqueeze(-1)).squeeze(-1) * m  # (J, B, T-1)
-        log_lik = torch.cat([torch.zeros_like(tok[..., :1]), tok.cumsum(-1)], dim=-1)  # (J, B, T)
-        w = self._weights(log_lik, route)
+        tok = lp[:, :, :-1].gather(-1, input_ids[:, 1:].expand(lp.shape[0], -1, -1).unsqueeze(-1)).squeeze(-1) * m
+        return lp, tok, route, [s[1] for s in steps]
+
+    @staticmethod
+    def _cumulative(tok: torch.Tensor) -> torch.Tensor:
+        """(J, B, T): each member's log-likelihood of the prefix x_<=t."""
+        return torch.cat([torch.zeros_like(tok[..., :1]), tok.cumsum(-1)], dim=-1)
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        lp, tok, route, _ = self._prefix(input_ids, attention_mask)  # lp: (J, B, T, V)
+        w = self._weights(self._cumulative(tok), route)
         mixed = torch.logsumexp(lp + w.unsqueeze(-1), dim=0)  # (B, T, V) log-probabilities
         loss = None
         if labels is not None:
@@ -180,15 +191,8 @@ class PathsEnsembleForCausalLM(PreTrainedModel):
 
     def mixture_weights(self, input_ids, attention_mask=None) -> torch.Tensor:
         """(B, T, J): each member's weight at each position."""
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-        lp = torch.stack([self._member_step(m, input_ids, attention_mask, position_ids, None, False)[0] for m in self.members])
-        route = self._route(input_ids, attention_mask) if self.config.mix == "router" else None
-        m = (attention_mask[:, 1:] * attention_mask[:, :-1]).float()
-        tok = lp[:, :, :-1].gather(-1, input_ids[:, 1:].expand(lp.shape[0], -1, -1).unsqueeze(-1)).squeeze(-1) * m
-        log_lik = torch.cat([torch.zeros_like(tok[..., :1]), tok.cumsum(-1)], dim=-1)
-        return self._weights(log_lik, route).exp().permute(1, 2, 0)
+        _, tok, route, _ = self._prefix(input_ids, attention_mask)
+        return self._weights(self._cumulative(tok), route).exp().permute(1, 2, 0)
 
     # -- decoding -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -205,16 +209,10 @@ class PathsEnsembleForCausalLM(PreTrainedModel):
         eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else set()
         pad = self.config.pad_token_id if pad_token_id is None else pad_token_id
         pad = 0 if pad is None else pad
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-        steps = [self._member_step(m, input_ids, attention_mask, position_ids, None, True) for m in self.members]
-        caches = [c for _, c in steps]
-        lp = torch.stack([s[0] for s in steps])  # (J, B, T, V)
-        route = self._route(input_ids, attention_mask) if self.config.mix == "router" else None
-        m = (attention_mask[:, 1:] * attention_mask[:, :-1]).float()
-        log_lik = (lp[:, :, :-1].gather(-1, input_ids[:, 1:].expand(lp.shape[0], -1, -1).unsqueeze(-1)).squeeze(-1) * m).sum(-1)  # (J, B)
-        last = lp[:, :, -1]  # (J, B, V)
+        lp, tok, route, caches = self._prefix(input_ids, attention_mask, use_cache=True)
+        log_lik, last = tok.sum(-1), lp[:, :, -1]  # (J, B), (J, B, V)
+        next_pos = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -1:] + 1
         out, done = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        next_pos = position_ids[:, -1:] + 1
         for _ in range(max_new_tokens):
             mixed = torch.logsumexp(last + self._weights(log_lik, route).unsqueeze(-1), dim=0)  # (B, V)
             token = self._pick(mixed, do_sample, temperature, top_p, generator)  # (B,)

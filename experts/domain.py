@@ -39,10 +39,14 @@ def presets() -> list[str]:
     return sorted(f[:-5] for f in os.listdir(PRESETS) if f.endswith(".toml"))
 
 
+def expert_names(run: Run) -> list[str]:
+    """Names of the registered experts (committed ones only), from one listing."""
+    return sorted({o.key.split("/")[1] for o in run.store.list("experts") if o.key.endswith("/manifest.json") and o.key.count("/") == 2})
+
+
 def list_experts(run: Run) -> dict[str, dict[str, Any]]:
-    """{name: expert.json} of every registered expert (committed ones only)."""
-    names = sorted({o.key.split("/")[1] for o in run.store.list("experts") if o.key.endswith("/manifest.json") and o.key.count("/") == 2})
-    return {n: expert_info(run, n) for n in names}
+    """{name: expert.json} of every registered expert."""
+    return {n: expert_info(run, n) for n in expert_names(run)}
 
 
 def expert_info(run: Run, name: str) -> dict[str, Any]:
@@ -66,7 +70,12 @@ def units(run: Run) -> list[str]:
         _, ids = decomposed_paths(run)
     except ConfigurationError:
         ids = []
-    return [*ids, *list_experts(run)]
+    return [*ids, *expert_names(run)]
+
+
+def step_budget(run: Run, unit: str) -> int | None:
+    """An expert's own step budget (None for paths, and for experts registered without one)."""
+    return expert_info(run, unit).get("steps") if is_expert(run, unit) else None
 
 
 def data_id(run: Run, unit: str, manifest: dict[str, Any]) -> str:
@@ -222,7 +231,7 @@ def _branch(run: Run, name: str, parent: str, out: str) -> dict[str, Any]:
     """Branch-Train-Merge: start from another expert's trained weights."""
     from paths.train import fetch_final
 
-    expert_info(run, parent)  # a clear error if it is not an expert
+    parent_info = expert_info(run, parent)  # a clear error if it is not an expert
     try:
         provenance = fetch_final(run, parent, out)
     except NotFound:
@@ -230,4 +239,4 @@ def _branch(run: Run, name: str, parent: str, out: str) -> dict[str, Any]:
     for fname in ("provenance.json", "path.json", "expert.json", "manifest.json"):
         if os.path.exists(os.path.join(out, fname)):
             os.remove(os.path.join(out, fname))
-    return {"kind": "branch", "from": parent, "parent_steps": provenance.get("steps"), "parent_domain": expert_info(run, parent)["domain"]}
+    return {"kind": "branch", "from": parent, "parent_steps": provenance.get("steps"), "parent_domain": parent_info["domain"]}

@@ -29,19 +29,26 @@ DOMAINS = {"code": "p00-00", "prose": "p01-02", "math": "p03-03"}
 Stage = tuple[str, Callable[[], Any]]
 
 
-def stages(root: str = DEFAULT_ROOT) -> Iterator[Stage]:
-    """The quickstart's stages in order, for a run at `root`."""
+def _opening(run, root: str, levels: int) -> Iterator[Stage]:
+    """Every scenario's start: the run, the tiny base (reused when there), the plan."""
     from paths.base import init_run
-    from paths.decompose import decompose, describe, materialize
+    from paths.decompose import decompose, describe
 
-    run = admin.init(root)
     yield f"paths storage init {root}", lambda: f"run at {run.url}"
     if "base" in run.read_meta():
         yield f"paths init {root} --preset {PRESET}", lambda: "(the run already holds a base model: reused)"
     else:
         yield f"paths init {root} --preset {PRESET}", lambda: _init(init_run, root)
-    yield f"paths decompose {root} --levels {LEVELS}", lambda: _decomposed(decompose(run, LEVELS))
+    yield f"paths decompose {root} --levels {levels}", lambda: _decomposed(decompose(run, levels))
     yield f"paths plan {root}", lambda: describe(run)
+
+
+def stages(root: str = DEFAULT_ROOT) -> Iterator[Stage]:
+    """The quickstart's stages in order, for a run at `root`."""
+    from paths.decompose import materialize
+
+    run = admin.init(root)
+    yield from _opening(run, root, LEVELS)
     corpus = os.path.join(os.path.dirname(os.path.abspath(root)), "quickstart-corpus")
     domain_map = os.path.join(corpus, "domains.json")
     yield "write a corpus found on this machine (code: stdlib sources, prose: pydoc topics, math: generated)", lambda: _corpus(corpus, domain_map)
@@ -127,7 +134,7 @@ def _shard_experts(run, corpus: str) -> dict[str, Any]:
 
 def _train_experts(run) -> str:
     """The worker loop over the experts: each trains its own budget."""
-    from experts.domain import expert_info, list_experts
+    from experts.domain import expert_names, step_budget
     from paths.claims import claim
     from paths.errors import NothingToClaim
     from paths.train import train
@@ -136,10 +143,10 @@ def _train_experts(run) -> str:
     lines = []
     while True:
         try:
-            lease = claim(run, list(list_experts(run)), ttl=60, worker="quickstart")
+            lease = claim(run, expert_names(run), ttl=60, worker="quickstart")
         except NothingToClaim:
             break
-        cfg = load_config(sets=["seq_len=128", "batch_size=8", "warmup_steps=2", "lr=2e-3"], steps=expert_info(run, lease.path)["steps"], checkpoint_every=0)
+        cfg = load_config(sets=["seq_len=128", "batch_size=8", "warmup_steps=2", "lr=2e-3"], steps=step_budget(run, lease.path), checkpoint_every=0)
         out = train(run, lease.path, "lm", EXPERT_DATASET, cfg, lease, show_progress=False)
         lines.append(f"{out['path']}: {out['steps']} steps, {out['tokens']:,} tokens, loss {out['final_loss']:.3f}")
     return "\n".join(sorted(lines) + ["nothing left to claim (exit 3)"]) if lines else "every expert is already trained (nothing to claim: exit 3)"
@@ -333,17 +340,8 @@ FLEX_OPTED_OUT = "math"
 def flexolmo_stages(root: str = FLEX_ROOT) -> Iterator[Stage]:
     """FlexOlmo: three data owners each train their domain expert anchored to the frozen shared
     weights; compose with routers from their domain embeddings; compose again with one owner out."""
-    from paths.base import init_run
-    from paths.decompose import decompose, describe
-
     run = admin.init(root)
-    yield f"paths storage init {root}", lambda: f"run at {run.url}"
-    if "base" in run.read_meta():
-        yield f"paths init {root} --preset {PRESET}", lambda: "(the run already holds a base model: reused)"
-    else:
-        yield f"paths init {root} --preset {PRESET}", lambda: _init(init_run, root)
-    yield f"paths decompose {root} --levels 1", lambda: _decomposed(decompose(run, 1))
-    yield f"paths plan {root}", lambda: describe(run)
+    yield from _opening(run, root, 1)
     corpus = os.path.join(os.path.dirname(os.path.abspath(root)), "quickstart-corpus")
     domain_map = os.path.join(corpus, "flexolmo-domains.json")
     yield "write a corpus found on this machine (code: stdlib sources, prose: pydoc topics, math: generated)", lambda: _corpus(corpus, domain_map, FLEX_DOMAINS)
