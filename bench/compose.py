@@ -32,8 +32,9 @@ def prepare(work: str, preset: str) -> list[str]:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from paths.base import init_run
-    from paths.decompose import decompose, materialize
+    from paths.prepare.init import init_run
+    from paths.prepare.decompose import decompose
+    from paths.models import materialize
     from storage.layout import open_run
     from storage.manifest import ArtifactWriter
 

@@ -44,7 +44,7 @@ def split_corpus(folder: str) -> tuple[str, str]:
 
 
 def train_paths(run, dataset: str, paths: list[str], steps: int, freeze: str, lr: float) -> dict[str, dict]:
-    from paths.train import train
+    from paths.work.train import train
     from paths.train_config import load_config
 
     cfg = load_config(sets=["seq_len=256", "batch_size=8", "warmup_steps=10", f"lr={lr}", f"freeze={freeze}"], steps=steps, checkpoint_every=0)
@@ -68,9 +68,9 @@ def main() -> None:
     from cli.render import render_eval
     from compose.evaluate import evaluate
     from compose.merge import compose_moe
-    from paths.base import init_run, upcycle
-    from paths.decompose import decompose
-    from paths.train import fetch_final
+    from paths.prepare.init import init_run, upcycle
+    from paths.prepare.decompose import decompose
+    from paths.models import fetch_final
     from sharding.shard import ShardOptions, shard
     from storage.layout import open_run
 

@@ -30,9 +30,10 @@ def vmhwm() -> int:
 
 
 def prepare(work: str, n_prompts: int) -> None:
-    from paths.base import init_run
-    from paths.decompose import decompose, materialize
-    from paths.tasks import arithmetic, write_jsonl
+    from paths.prepare.init import init_run
+    from paths.prepare.decompose import decompose
+    from paths.models import materialize
+    from paths.work.tasks import arithmetic, write_jsonl
     from sharding.shard import ShardOptions, shard
     from storage.layout import open_run
 
@@ -53,7 +54,7 @@ def prepare(work: str, n_prompts: int) -> None:
 
 
 def child_ours(work: str, a) -> dict:
-    from paths.train import train
+    from paths.work.train import train
     from paths.train_config import load_config
     from storage.layout import open_run
 
@@ -75,7 +76,7 @@ def child_trl(work: str, a) -> dict:
     from transformers.utils import logging as hf_logging
     from trl import GRPOConfig, GRPOTrainer
 
-    from paths.rewards import format_reward
+    from paths.work.rewards import format_reward
 
     hf_logging.set_verbosity_error()
     folder = os.path.join(work, "p00")

@@ -46,8 +46,8 @@ def main() -> None:
     from compose.ensemble import compose_ensemble
     from compose.evaluate import evaluate
     from experts.domain import add_expert
-    from paths.base import init_run
-    from paths.train import train
+    from paths.prepare.init import init_run
+    from paths.work.train import train
     from paths.train_config import load_config
     from sharding.corpus import write_corpus
     from sharding.shard import ShardOptions, shard

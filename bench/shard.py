@@ -70,8 +70,8 @@ def make_corpus(folder: str, copies: int) -> list[str]:
 
 
 def make_run(url: str, storage_options=None):
-    from paths.base import init_run
-    from paths.decompose import decompose
+    from paths.prepare.init import init_run
+    from paths.prepare.decompose import decompose
     from storage.layout import open_run
 
     init_run(url, preset="tiny-mixtral", seed=0, storage_options=storage_options)
@@ -87,7 +87,7 @@ def timed(fn):
 
 
 def bench_tokenizer(run, files) -> tuple[int, float]:
-    from paths.base import run_tokenizer
+    from paths.models import run_tokenizer
 
     tok, _ = run_tokenizer(run)
     texts = [json.loads(line)["text"] for f in files for line in open(f, encoding="utf-8")]

@@ -19,7 +19,6 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -31,8 +30,8 @@ PATH = "p01-02"
 
 
 def build(work: str, steps: int):
-    from paths.base import init_run
-    from paths.decompose import decompose
+    from paths.prepare.init import init_run
+    from paths.prepare.decompose import decompose
     from sharding.corpus import write_corpus
     from sharding.shard import ShardOptions, shard
     from storage.layout import open_run
@@ -50,8 +49,8 @@ def build(work: str, steps: int):
 
 def ours(run, cfg) -> tuple[float, dict]:
     from paths import checkpoint
-    from paths.claims import claim
-    from paths.train import train
+    from paths.work.claims import claim
+    from paths.work.train import train
 
     saved = {}
     real = checkpoint.save
@@ -77,7 +76,7 @@ def hf_trainer(run, cfg, work: str) -> float:
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
     from transformers.utils import logging as hf_logging
 
-    from paths.decompose import materialize
+    from paths.models import materialize
     from sharding.dataset import PathDataset
 
     hf_logging.set_verbosity_error()
@@ -118,7 +117,7 @@ def hf_trainer(run, cfg, work: str) -> float:
 
 
 def _claimer(url: str, options: dict, ids: list[str], barrier, results) -> None:
-    from paths.claims import claim
+    from paths.work.claims import claim
     from paths.errors import NothingToClaim
     from storage.layout import open_run
 
@@ -136,8 +135,8 @@ def _claimer(url: str, options: dict, ids: list[str], barrier, results) -> None:
 
 
 def claims_on_seaweed(work: str, claimers: int = 16) -> dict:
-    from paths.base import init_run
-    from paths.decompose import decompose
+    from paths.prepare.init import init_run
+    from paths.prepare.decompose import decompose
     from storage.layout import open_run
     from storage.seaweed import start_seaweed
 

@@ -31,17 +31,23 @@ run_arg = click.argument("run", envvar="PATHS_RUN")
 @click.option("--prior-docs", default=100, show_default=True, help="ensemble: documents the cached prior is estimated on.")
 @click.option("--prior-decay", default=0.3, show_default=True, help="ensemble: weight of each new document's posterior in the exponential average.")
 @click.option("--router-name", help="ensemble, --mix router: the saved router (router/NAME/; default: the only one).")
-@click.option("--overwrite", is_flag=True, help="Replace an existing composed/NAME/.")
-def compose(run, into, name, select, outer_lr, momentum, previous, weighting, dtype, router, router_data, router_docs, exclude, include,
-            members, mix, prior, prior_data, prior_docs, prior_decay, router_name, overwrite) -> None:
+@click.option("--overwrite", is_flag=True, help="Replace an existing composed/NAME/ (kept whole until the new one is complete).")
+@click.option("--dry-run", is_flag=True, help="moe: print the plan (paths, opt-out, options, tensors and files to write) after every check; write nothing.")
+def compose(run: str, into: str, name: str, select: str | None, outer_lr: float, momentum: float, previous: str | None, weighting: str, dtype: str | None,
+            router: str, router_data: str | None, router_docs: int, exclude: str | None, include: str | None, members: str | None, mix: str, prior: str,
+            prior_data: str | None, prior_docs: int, prior_decay: float, router_name: str | None, overwrite: bool, dry_run: bool) -> None:
     """Merge trained paths into composed/NAME/ (loads with AutoModelForCausalLM), or ensemble them."""
-    from compose.merge import compose_moe
+    from compose.merge import execute
+    from compose.plan import plan_compose
+    from paths.errors import ConfigurationError
     from storage.layout import open_run
 
     def ids(text):
         return [p.strip() for p in text.split(",") if p.strip()] if text is not None else None
 
     if into == "ensemble":
+        if dry_run:
+            raise ConfigurationError("--dry-run plans --into moe; an ensemble copies its members as they are: leave --dry-run out")
         from compose.ensemble import compose_ensemble
 
         record = compose_ensemble(open_run(run), name, members=ids(members), mix=mix, prior=prior, prior_data=prior_data, prior_docs=prior_docs,
@@ -51,10 +57,17 @@ def compose(run, into, name, select, outer_lr, momentum, previous, weighting, dt
                    "load with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)")
         return
 
-    record = compose_moe(
-        open_run(run), name, paths=ids(select), outer_lr=outer_lr, momentum=momentum, weighting=weighting, previous=previous, dtype=dtype,
+    r = open_run(run)
+    plan = plan_compose(
+        r, name, paths=ids(select), outer_lr=outer_lr, momentum=momentum, weighting=weighting, previous=previous, dtype=dtype,
         overwrite=overwrite, router=router, router_data=router_data, router_docs=router_docs, exclude=ids(exclude), include=ids(include),
     )
+    if dry_run:
+        from cli.render import render_compose_plan
+
+        click.echo(render_compose_plan(plan.describe(r)))
+        return
+    record = execute(r, plan)
     touched = len(record["tensors"])
     click.echo(f"composed {len(record['paths'])} paths into {run}/composed/{name} ({touched} tensors updated) in {record['seconds']}s")
     removed = record["excluded"]["removed_experts"]
@@ -76,11 +89,10 @@ def evaluate(run, dataset, models, split, seq_len, max_tokens, json_out) -> None
     from compose.evaluate import evaluate as do
     from storage.layout import open_run
 
+    from paths.units import default_eval_models
+
     r = open_run(run)
-    if not models:
-        names = sorted({o.key.split("/")[1] for o in r.store.list("composed") if o.key.endswith("/manifest.json")})
-        models = ("base", *(f"composed:{n}" for n in names))
-    result = do(r, dataset, list(models), split=split, seq_len=seq_len, max_tokens=max_tokens)
+    result = do(r, dataset, list(models) or default_eval_models(r), split=split, seq_len=seq_len, max_tokens=max_tokens)
     click.echo(as_json(result) if json_out else render_eval(result))
 
 
@@ -92,9 +104,7 @@ def next_round(run: str, source: str) -> None:
     from compose.rounds import next_round as do
     from storage.layout import open_run
 
-    kind, _, name = source.partition(":")
-    if kind != "composed" or not name:
-        raise click.BadParameter(f"{source!r}: use composed:NAME", param_hint="--from")
+    name = _composed_name(source, "--from")
     out = do(open_run(run), name)
     click.echo(f"round {out['round']} started from composed/{name}: {out['paths']} paths decomposed again; round {out['round'] - 1} kept in {out['archive']}/")
 
@@ -119,10 +129,19 @@ def finetune_moe(run, source, dataset, out, what, steps, aux_loss, moe_backend, 
     from paths.train_config import load_config
     from storage.layout import open_run
 
-    kind, _, name = source.partition(":")
-    if kind != "composed" or not name:
-        raise click.BadParameter(f"{source!r}: use composed:NAME", param_hint="--model")
+    name = _composed_name(source, "--model")
     cfg = load_config(config_file, sets, steps=steps, checkpoint_every=checkpoint_every)
     summary = do(open_run(run), name, dataset, out or f"{name}-ft", cfg, train=what, aux_loss=aux_loss, backend=moe_backend, overwrite=overwrite, show_progress=not no_progress)
     click.echo(f"fine-tuned {summary['train']} of composed/{name} for {summary['steps']} steps ({summary['tokens']:,} tokens, {summary['backend']}); "
                f"final loss {summary['final_loss']:.4f} -> {run}/composed/{summary['name']}")
+
+
+def _composed_name(source: str, option: str) -> str:
+    """NAME of a `composed:NAME` option (paths.models.parse_model), or a usage error (exit 2)."""
+    from paths.errors import ConfigurationError
+    from paths.models import parse_model
+
+    try:
+        return parse_model(source, kinds=("composed",), option=option).name
+    except ConfigurationError:
+        raise click.BadParameter(f"{source!r}: use composed:NAME", param_hint=option) from None

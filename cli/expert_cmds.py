@@ -40,7 +40,7 @@ def add(run, name, domain, from_dir, preset, branch_from, steps, seed, overwrite
 @click.option("--json", "json_out", is_flag=True)
 def ls(run, json_out) -> None:
     """The registered experts: domain, size, step budget, whether trained."""
-    from experts.domain import list_experts
+    from paths.units import list_experts
     from storage.layout import open_run
 
     r = open_run(run)

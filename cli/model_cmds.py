@@ -19,19 +19,12 @@ run_arg = click.argument("run", envvar="PATHS_RUN")
 @click.option("--dry-run", is_flag=True, help="Print the plan and parameter counts; write nothing.")
 def init(run: str, preset, config_file, from_dir, tokenizer_dir, seed: int, dry_run: bool) -> None:
     """Create a run holding an MoE base model (base/, tokenizer/, run.json)."""
-    from paths import base
-    from paths.decompose import summarize
-    from paths.plan import Plan
+    from paths.prepare.init import init_plan, init_run
 
     if dry_run:
-        if not (preset or config_file):
-            raise click.UsageError("--dry-run works with --preset or --config")
-        spec = base.load_spec(base.preset_path(preset), preset) if preset else base.load_spec(config_file, config_file)
-        cfg = spec.config
-        plan = Plan(cfg["num_hidden_layers"], spec.family.num_experts(cfg), 1)
-        click.echo(render_plan(summarize(plan, spec.family.name, base.spec_parameters(spec), decomposed=False)))
+        click.echo(render_plan(init_plan(preset, config_file)))
         return
-    meta = base.init_run(run, preset=preset, config_file=config_file, from_dir=from_dir, tokenizer_dir=tokenizer_dir, seed=seed)
+    meta = init_run(run, preset=preset, config_file=config_file, from_dir=from_dir, tokenizer_dir=tokenizer_dir, seed=seed)
     b = meta["base"]
     click.echo(f"initialised {run}: {b['family']} MoE, {b['num_layers']} layers x {b['num_experts']} experts; tokenizer {meta['tokenizer']['vocab_size']} tokens ({meta['tokenizer']['source']})")
 
@@ -46,9 +39,9 @@ def init(run: str, preset, config_file, from_dir, tokenizer_dir, seed: int, dry_
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(file_okay=False))
 def upcycle(run: str, from_dir: str, experts: int, top_k: int, noise: float, seed: int, tokenizer_dir) -> None:
     """Sparse upcycling: an MoE whose experts all start as the dense model's MLP."""
-    from paths import base
+    from paths.prepare.init import upcycle as do
 
-    meta = base.upcycle(run, from_dir, experts, top_k, noise, seed, tokenizer_dir)
+    meta = do(run, from_dir, experts, top_k, noise, seed, tokenizer_dir)
     click.echo(f"upcycled {from_dir} into {run}: {meta['base']['family']}, {experts} experts, top-{top_k}")
 
 
@@ -58,7 +51,7 @@ def upcycle(run: str, from_dir: str, experts: int, top_k: int, noise: float, see
 @click.option("--json", "as_json_", is_flag=True)
 def plan(run: str, levels, as_json_: bool) -> None:
     """Levels, layers per level, number of paths and parameters per path."""
-    from paths.decompose import describe
+    from paths.prepare.decompose import describe
     from storage.layout import open_run
 
     summary = describe(open_run(run), levels)
@@ -72,7 +65,7 @@ def plan(run: str, levels, as_json_: bool) -> None:
 @click.option("--materialize", is_flag=True, help="Also write paths/<id>/init/ standalone dense checkpoints.")
 def decompose(run: str, levels: int, select: str, materialize: bool) -> None:
     """Cut the base MoE into paths (paths/<id>/path.json; no weights copied)."""
-    from paths.decompose import decompose as do
+    from paths.prepare.decompose import decompose as do
     from storage.layout import open_run
 
     out = do(open_run(run), levels, select, materialize)
@@ -89,7 +82,7 @@ def _ids(ids: list[str]) -> str:
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Local folder for the dense checkpoint.")
 def materialize(run: str, path_id: str, out: str) -> None:
     """Write one path as a standalone dense HF checkpoint, reading only its bytes from base/."""
-    from paths.decompose import materialize as do
+    from paths.models import materialize as do
     from storage.layout import open_run
 
     stats = do(open_run(run), path_id, out)

@@ -6,9 +6,9 @@ import time
 
 import click
 
+from cli import scenarios
 from cli.render import render, render_dataset, render_plan
 from paths.errors import IntegrityError
-from paths import quickstart as scenarios
 from storage.admin import VerifyReport
 
 

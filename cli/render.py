@@ -172,3 +172,18 @@ def render_eval(result: dict[str, Any]) -> str:
     rows = [[model] + [f"{row[c]:.3f}" for c in cols] for model, row in result["table"].items()]
     head = f"{result['metric']} on {result['dataset']} ({result['split']}; lower is better)" if result["metric"] == "perplexity" else f"{result['metric']} on {result['dataset']} ({result['split']})"
     return head + "\n" + table(["model"] + cols, rows)
+
+
+def render_compose_plan(plan: dict[str, Any]) -> str:
+    """`paths compose --dry-run`: the output, the inputs, the options and the files to be written."""
+    lines = [
+        f"would write {plan['output']} ({'replacing the existing one once the new one is complete' if plan['replaces_existing'] else 'new'})",
+        f"paths:     {', '.join(plan['paths'])}",
+    ]
+    if plan["excluded"]:
+        lines.append(f"opted out: {', '.join(plan['excluded'])}; experts removed per layer: {plan['removed_experts']}")
+    lines.append("options:   " + ", ".join(f"{k} {v}" for k, v in plan["options"].items() if v is not None))
+    t = plan["tensors"]
+    lines.append(f"tensors:   {t['total']} ({t['merged']} merged from the paths, {t['unchanged']} the base's bytes)")
+    rows = [[name, f["tensors"], human_bytes(f["bytes"])] for name, f in plan["files"].items()]
+    return "\n".join(lines) + "\n" + table(["file", "tensors", "bytes"], rows)

@@ -16,8 +16,8 @@ run_arg = click.argument("run", envvar="PATHS_RUN")
 @click.option("--worker", help="Worker name recorded in the claim (default: hostname-<random>).")
 def claim(run: str, path_id, ttl: float, worker) -> None:
     """Claim a path through the store; prints its id. Exit 3 when nothing is left to claim."""
-    from experts.domain import units
-    from paths.claims import claim as do, save_local
+    from paths.units import units
+    from paths.work.claims import claim as do, save_local
     from paths.errors import ConfigurationError
     from storage.layout import open_run
 
@@ -60,14 +60,14 @@ def claim(run: str, path_id, ttl: float, worker) -> None:
 @click.option("--iterations", type=int, help="grpo: optimizer steps per rollout.")
 def train(run, path_id, mode, dataset, steps, checkpoint_every, config_file, sets, no_progress, init, rewards, **grpo) -> None:
     """Train the claimed path, renewing its lease; checkpoints and exact resume."""
-    from paths.claims import claimed_run, lease_for_rank
-    from paths.train import train as do
+    from paths.work.claims import claimed_run, lease_for_rank
+    from paths.work.train import train as do
     from paths.train_config import load_config
     from storage.layout import open_run
 
     import dataclasses
 
-    from experts.domain import step_budget
+    from paths.units import step_budget
 
     cfg = load_config(config_file, sets, steps=steps, checkpoint_every=checkpoint_every, **grpo)  # bad settings fail first
     r = open_run(run or claimed_run())
@@ -85,7 +85,7 @@ def train(run, path_id, mode, dataset, steps, checkpoint_every, config_file, set
 @click.option("--state", type=click.Choice(["open", "failed"]), default="open", show_default=True, help="open: claimable again; failed: never claimed again.")
 def release(run: str, path_id: str, state: str) -> None:
     """Admin override of a path's claim record (who and when are recorded)."""
-    from paths.claims import release as do
+    from paths.work.claims import release as do
     from storage.layout import open_run
 
     record = do(open_run(run), path_id, state)
@@ -97,7 +97,7 @@ def release(run: str, path_id: str, state: str) -> None:
 @click.option("--json", "json_out", is_flag=True)
 def status(run: str, json_out: bool) -> None:
     """Every path: state, worker, lease time left, generation, last committed step, tokens, loss."""
-    from paths.status import status as do
+    from paths.work.status import status as do
     from storage.layout import open_run
 
     rows = do(open_run(run))
@@ -112,7 +112,7 @@ def status(run: str, json_out: bool) -> None:
 @click.option("--out", required=True, help="Output JSONL: a file or an fsspec URL.")
 def gen_tasks(kind: str, n: int, levels: str, seed: int, out: str) -> None:
     """Write RL prompts with exact answers (JSONL: id, level, prompt, answer)."""
-    from paths.tasks import arithmetic, write_jsonl
+    from paths.work.tasks import arithmetic, write_jsonl
 
     try:
         level_list = [int(x) for x in levels.split(",") if x.strip()]

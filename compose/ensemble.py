@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import time
 from typing import Any, Literal
 
@@ -24,7 +23,7 @@ import torch
 
 from paths.errors import ConfigurationError, NotFound
 from storage.layout import Run
-from storage.manifest import ArtifactWriter, read_manifest, read_verified, sha256_hex
+from storage.manifest import install, read_manifest, read_verified, sha256_hex
 
 MODELING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "modeling_paths_ensemble.py")
 Mix = Literal["posterior", "uniform", "router"]
@@ -32,8 +31,8 @@ Mix = Literal["posterior", "uniform", "router"]
 
 def finished_units(run: Run) -> list[str]:
     """Registered experts with a final/, else paths with one."""
-    from compose.merge import finished_paths
-    from experts.domain import expert_names
+    from paths.units import finished_paths
+    from paths.units import expert_names
 
     experts = [n for n in expert_names(run) if run.store.exists(f"{run.final(n)}/manifest.json")]
     if experts:
@@ -45,23 +44,20 @@ def finished_units(run: Run) -> list[str]:
 
 
 def _fetch_member(run: Run, spec: str, out: str) -> tuple[str, dict[str, Any]]:
-    """(member name, what it is) with the member's checkpoint in out/."""
-    from paths.train import fetch_final
+    """(member name, what it is) with the member's checkpoint in out/ (paths.models.resolve_model)."""
+    from paths.models import parse_model, resolve_model
 
-    if spec.startswith("hf:"):
-        folder = spec[3:]
-        if not os.path.exists(os.path.join(folder, "config.json")):
-            raise ConfigurationError(f"member {spec}: no config.json in {folder}: give a Hugging Face checkpoint folder")
+    ref = parse_model(spec if ":" in spec else f"path:{spec}", kinds=("path", "expert", "hf"), option="--members")
+    if ref.kind == "hf":
+        folder = resolve_model(run, ref, os.path.dirname(out), option="member").folder
         shutil.copytree(folder, out)
         return os.path.basename(os.path.normpath(folder)), {"source": os.path.abspath(folder)}
-    name = spec.split(":", 1)[1] if spec.startswith(("path:", "expert:")) else spec
     try:
-        read_manifest(run.store, run.final(name))
+        manifest = read_manifest(run.store, run.final(ref.name))
     except NotFound:
-        raise ConfigurationError(f"member {name} has no final/ in {run.url}: train it first (`paths claim {run.url} --path {name} && paths train ...`) or leave it out") from None
-    fetch_final(run, name, out)
-    manifest = read_manifest(run.store, run.final(name))
-    return name, {"final_checksum": sha256_hex(json.dumps(manifest["files"], sort_keys=True).encode())}
+        raise ConfigurationError(f"member {ref.name} has no final/ in {run.url}: train it first (`paths claim {run.url} --path {ref.name} && paths train ...`) or leave it out") from None
+    shutil.move(resolve_model(run, ref, os.path.dirname(out), option="member").folder, out)
+    return ref.name, {"final_checksum": sha256_hex(json.dumps(manifest["files"], sort_keys=True).encode())}
 
 
 def _same_tokenizer(ours, members: dict[str, str]) -> None:
@@ -122,7 +118,7 @@ def _prior_documents(run: Run, dataset: str, n: int) -> list:
 
 def _router_spec(run: Run, router_name: str | None, names: list[str], folder: str) -> dict[str, Any]:
     """router/ of the ensemble (the saved router and the base model it reads) and config's entry."""
-    from paths.decompose import run_plan
+    from paths.units import run_plan
     from paths.families import fill
     from sharding.kmeans import split_dims
     from sharding.routers import load_router
@@ -171,7 +167,7 @@ def compose_ensemble(
     overwrite: bool = False,
 ) -> dict[str, Any]:
     """Write composed/<name>/ as an ensemble; returns its compose.json."""
-    from paths.base import fetch_dir, run_tokenizer
+    from paths.models import fetch_dir, run_tokenizer
 
     prefix = run.composed(name)
     if run.store.exists(f"{prefix}/manifest.json") and not overwrite:
@@ -192,7 +188,7 @@ def compose_ensemble(
         raise ConfigurationError("--prior cached needs --prior-data DATASET (held-out documents to estimate it on), or use --prior uniform")
 
     t0 = time.perf_counter()
-    tmp = tempfile.mkdtemp(prefix="paths-ensemble-")
+    tmp = run.store.scratch_dir("ensemble")
     try:
         folders, record_members = {}, {}
         for spec in specs:
@@ -231,18 +227,11 @@ def compose_ensemble(
             "options": {"mix": mix, "prior": prior if mix == "posterior" else None, "prior_data": prior_data, "prior_docs": prior_docs, "prior_decay": prior_decay, "router_name": router and router["name"]},
             "prior": prior_values, "seconds": round(time.perf_counter() - t0, 3), "at": time.time(),
         }
-        if overwrite:
-            run.store.delete_prefix(prefix)
-        writer = ArtifactWriter(run.store, prefix)
-        for root, _, files in sorted(os.walk(out)):
-            for fname in sorted(files):
-                local = os.path.join(root, fname)
-                rel = os.path.relpath(local, out).replace(os.sep, "/")
-                if rel.startswith("members/") and rel.endswith("/manifest.json"):
-                    continue  # the member's own manifest: the ensemble's covers its files
-                writer.upload(rel, local)
-        writer.write_json("compose.json", record)
-        writer.commit(kind="composed", into="ensemble", name=name)
+        for mname in names:  # a member's own manifest: the ensemble's covers its files
+            member_manifest = os.path.join(out, "members", mname, "manifest.json")
+            if os.path.exists(member_manifest):
+                os.remove(member_manifest)
+        install(run.store, out, prefix, overwrite, {"compose.json": record}, kind="composed", into="ensemble", name=name)
         return record
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import tempfile
 import time
 from typing import Any
@@ -20,48 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from paths.errors import ConfigurationError, NotFound
+from paths.errors import ConfigurationError
+from paths.models import load_model
 from storage.layout import Run
-
-
-def load_model(run: Run, spec: str, scratch: str):
-    """(model, tokenizer) for a model spec."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    from paths.base import fetch_dir
-
-    hf_logging.disable_progress_bar()
-    kind, _, arg = spec.partition(":")
-    if spec == "base":
-        folder = fetch_dir(run, run.base)
-        tok_folder = fetch_dir(run, run.tokenizer)
-    elif kind in ("path", "expert") and arg:
-        from paths.train import fetch_final
-
-        folder = os.path.join(scratch, f"path-{arg}")
-        fetch_final(run, arg, folder)
-        tok_folder = folder
-    elif kind == "composed" and arg:
-        try:
-            folder = fetch_dir(run, run.composed(arg))
-        except NotFound:
-            raise NotFound(f"no composed model {arg!r} in {run.url}: run `paths compose {run.url} --name {arg}` first") from None
-        tok_folder = folder
-    elif kind == "hf" and arg:
-        folder = tok_folder = arg
-    else:
-        raise ConfigurationError(f"--model {spec!r}: use base, path:ID, expert:NAME, composed:NAME or hf:DIR")
-    try:
-        with open(os.path.join(folder, "config.json")) as f:
-            ensemble = json.load(f).get("model_type") == "paths_ensemble"  # ours: its modeling file ships inside
-        if ensemble:
-            tok_folder = fetch_dir(run, run.tokenizer)  # the same files; AutoTokenizer would read the remote-code config
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=ensemble).eval()
-        tokenizer = AutoTokenizer.from_pretrained(tok_folder)
-    except (OSError, ValueError) as exc:
-        raise ConfigurationError(f"--model {spec}: cannot load {folder} ({exc})") from None
-    return model, tokenizer
 
 
 @torch.no_grad()
@@ -85,8 +45,8 @@ def perplexity(model, tokens: np.ndarray, seq_len: int, batch: int = 8) -> tuple
 
 def evaluate(run: Run, dataset: str, models: list[str], *, split: str = "heldout", seq_len: int = 256, max_tokens: int = 50_000) -> dict[str, Any]:
     """Scores of every model on every path shard of the dataset; also written to the run."""
-    from paths.grpo import evaluate as reward_eval
-    from paths.rewards import load_reward
+    from paths.work.grpo import evaluate as reward_eval
+    from paths.work.rewards import load_reward
     from sharding.dataset import dataset_manifest, read_prompts, read_tokens
 
     manifest = dataset_manifest(run, dataset)
@@ -99,7 +59,7 @@ def evaluate(run: Run, dataset: str, models: list[str], *, split: str = "heldout
     table: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         for spec in models:
-            model, tokenizer = load_model(run, spec, scratch)
+            model, tokenizer, _ = load_model(run, spec, scratch)
             row, total_nll, total_n = {}, 0.0, 0
             for p in shards:
                 if prompts:

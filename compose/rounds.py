@@ -19,8 +19,10 @@ ARCHIVED = ("base", "paths", "claims", "work")
 
 def next_round(run: Run, composed: str) -> dict[str, Any]:
     """Archive the current round and start the next one from composed/<composed>/."""
-    from paths.base import fetch_dir, write_base
-    from paths.decompose import decompose, decomposed_paths, run_plan
+    from paths.prepare.init import write_base
+    from paths.models import fetch_dir
+    from paths.prepare.decompose import decompose
+    from paths.units import decomposed_paths, run_plan
     from storage.manifest import read_manifest
 
     meta = run.read_meta()

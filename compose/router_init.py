@@ -99,7 +99,7 @@ def _rows(weight: torch.Tensor, sums: torch.Tensor, counts: torch.Tensor, genera
 
 def base_router_rows(run: Run, family, plan) -> dict[int, torch.Tensor]:
     """{layer: the base's router weight (E, H)}, read by ranged reads."""
-    from compose.merge import load_tensor
+    from paths.models import load_tensor
     from paths.base import base_tensors
 
     names = {fill(family.router[layout], layer): layer for layer in range(plan.num_layers) for layout in ("disk", "memory")}
@@ -115,10 +115,9 @@ def domain_embed_rows(run: Run, family, plan, paths: list[str], dataset: str, ba
     trained model of each path choosing e, over a sample of that path's documents."""
     import tempfile
 
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from paths.train import fetch_final
+    from paths.models import load_model
     from sharding.dataset import read_documents
 
     hf_logging.disable_progress_bar()
@@ -135,8 +134,7 @@ def domain_embed_rows(run: Run, family, plan, paths: list[str], dataset: str, ba
             continue
         experts = plan.experts_per_layer(pid)
         with tempfile.TemporaryDirectory(prefix=f"paths-embed-{pid}-") as local:
-            fetch_final(run, pid, local)
-            model = AutoModelForCausalLM.from_pretrained(local, dtype=torch.float32).eval()
+            model, _, _ = load_model(run, f"path:{pid}", local, kinds=("path",))
 
         def hook(layer: int):
             def capture(module, args):
@@ -165,7 +163,7 @@ def patch_tensor(path: str, name: str, value: torch.Tensor) -> None:
     import json
     import struct
 
-    from compose.merge import DTYPES
+    from paths.models import DTYPES
 
     with open(path, "r+b") as f:
         (n,) = struct.unpack("<Q", f.read(8))

@@ -21,8 +21,9 @@ import time
 from typing import Any
 
 from paths.errors import ConfigurationError, NotFound
+from paths.units import PATH_ID, expert_info
 from storage.layout import Run
-from storage.manifest import ArtifactWriter, read_manifest, read_verified
+from storage.manifest import ArtifactWriter
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -31,62 +32,11 @@ else:  # pragma: no cover
 
 PRESETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "experts")
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
-_PATH_ID = re.compile(r"p\d+(-\d+)*")
 
 
 def presets() -> list[str]:
     """Dense expert sizes in configs/experts/."""
     return sorted(f[:-5] for f in os.listdir(PRESETS) if f.endswith(".toml"))
-
-
-def expert_names(run: Run) -> list[str]:
-    """Names of the registered experts (committed ones only), from one listing."""
-    return sorted({o.key.split("/")[1] for o in run.store.list("experts") if o.key.endswith("/manifest.json") and o.key.count("/") == 2})
-
-
-def list_experts(run: Run) -> dict[str, dict[str, Any]]:
-    """{name: expert.json} of every registered expert."""
-    return {n: expert_info(run, n) for n in expert_names(run)}
-
-
-def expert_info(run: Run, name: str) -> dict[str, Any]:
-    """A registered expert's expert.json (checked against its manifest)."""
-    try:
-        return json.loads(read_verified(run.store, run.expert(name), "expert.json"))
-    except NotFound:
-        raise NotFound(f"no expert {name!r} in {run.url}: register it with `paths expert add {run.url} --name {name} --domain D ...`") from None
-
-
-def is_expert(run: Run, unit: str) -> bool:
-    """Whether a unit id names a registered expert (paths have ids like p03-11)."""
-    return not _PATH_ID.fullmatch(unit) and run.store.exists(f"{run.expert(unit)}/manifest.json")
-
-
-def units(run: Run) -> list[str]:
-    """Every claimable unit: the decomposed paths (if any), then the registered experts."""
-    from paths.decompose import decomposed_paths
-
-    try:
-        _, ids = decomposed_paths(run)
-    except ConfigurationError:
-        ids = []
-    return [*ids, *expert_names(run)]
-
-
-def step_budget(run: Run, unit: str) -> int | None:
-    """An expert's own step budget (None for paths, and for experts registered without one)."""
-    return expert_info(run, unit).get("steps") if is_expert(run, unit) else None
-
-
-def data_id(run: Run, unit: str, manifest: dict[str, Any]) -> str:
-    """Which shard of a dataset a unit trains on: its own, or (an expert) its domain's."""
-    shards = manifest.get("paths", {})
-    if unit in shards or not is_expert(run, unit):
-        return unit
-    domain = expert_info(run, unit)["domain"]
-    if domain in shards:
-        return domain
-    raise NotFound(f"dataset {manifest.get('dataset', '?')!r} has no shard for expert {unit} or its domain {domain!r}: shard it with `paths shard ... --router domain --targets domains`")
 
 
 def add_expert(
@@ -104,10 +54,10 @@ def add_expert(
     """Register a domain expert; returns its expert.json."""
     from transformers.utils import logging as hf_logging
 
-    from paths.base import run_tokenizer
+    from paths.models import run_tokenizer
 
     hf_logging.disable_progress_bar()
-    if not _NAME.fullmatch(name) or _PATH_ID.fullmatch(name):
+    if not _NAME.fullmatch(name) or PATH_ID.fullmatch(name):
         raise ConfigurationError(f"expert name {name!r}: use letters, digits, '.', '_', '-', starting with a letter, and not a path id like p03")
     if not domain or not domain.strip():
         raise ConfigurationError(f"expert {name}: --domain is empty: name the domain whose documents it trains on")
@@ -149,18 +99,6 @@ def add_expert(
         writer.write_json("expert.json", info)
         writer.commit(kind="expert", name=name, domain=domain)
     return info
-
-
-def materialize_expert(run: Run, name: str, out: str) -> dict[str, Any]:
-    """The expert's starting checkpoint in `out` (verified), with expert.json; its expert.json."""
-    prefix = run.expert(name)
-    files = read_manifest(run.store, prefix)["files"]
-    os.makedirs(out, exist_ok=True)
-    for fname in files:
-        if fname.startswith("init/"):
-            with open(os.path.join(out, fname[len("init/"):]), "wb") as f:
-                f.write(read_verified(run.store, prefix, fname))
-    return json.load(open(os.path.join(out, "expert.json")))
 
 
 def _parameters(folder: str) -> int:
@@ -229,7 +167,7 @@ def _from_dir(name: str, folder: str, out: str, tokenizer) -> dict[str, Any]:
 
 def _branch(run: Run, name: str, parent: str, out: str) -> dict[str, Any]:
     """Branch-Train-Merge: start from another expert's trained weights."""
-    from paths.train import fetch_final
+    from paths.models import fetch_final
 
     parent_info = expert_info(run, parent)  # a clear error if it is not an expert
     try:

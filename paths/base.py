@@ -1,27 +1,21 @@
-"""Getting an MoE into a run: from a preset or config (`paths init`), from an existing MoE
-checkpoint (`init --from`), or by sparse upcycling a dense model (`paths upcycle`).
+"""The run's base model as data: model specs (presets, configs), parameter counts, building a model
+from a spec, and reading base/ back (its config, its tensors' byte ranges, run.json's base entry).
 
-The MoE is written to `base/` as transformers saves it (sharded safetensors + index + config),
-with a manifest holding each file's sha256 and each tensor's (so ranged readers can check what
-they read), and `run.json` records family, shape, checksum and tokenizer.
+Writing base/ is the prepare stage's (paths/prepare/init.py); loading weights is paths/models.py's.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from paths.errors import ConfigurationError, NotFound, PathsError
-from paths.families import CONFIGS, Family, family_of_config, family_of_dense_config, get_family
-from paths.tokenizer import check_vocab, load_tokenizer, tokenizer_files, train_bpe
-from storage.layout import Run, open_run
-from storage.manifest import ArtifactWriter, read_manifest, sha256_hex
+from paths.errors import ConfigurationError, NotFound
+from paths.families import CONFIGS, Family, get_family
+from storage.layout import Run
+from storage.manifest import read_manifest
 from storage.safetensors_io import TensorEntry, read_header
 
 if sys.version_info >= (3, 11):
@@ -29,8 +23,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-MODEL_FILES = ("config.json", "generation_config.json")
-MAX_SHARD = "1GB"
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -124,83 +116,6 @@ def spec_parameters(spec: ModelSpec) -> dict[str, int]:
     return count_parameters(shapes, spec.family, spec.family.num_experts(spec.config))
 
 
-def _hash_tensors(local_dir: str, family: Family, num_experts: int) -> dict[str, str]:
-    """sha256 of every tensor's bytes; fused expert tensors also per expert slice ('name[e]')."""
-    from storage.url import open_store
-
-    store = open_store(local_dir)
-    out = {}
-    for fname in sorted(os.listdir(local_dir)):
-        if not fname.endswith(".safetensors"):
-            continue
-        tensors, _, _ = read_header(store, fname)
-        with open(os.path.join(local_dir, fname), "rb") as f:
-            for name, e in sorted(tensors.items(), key=lambda kv: kv[1].begin):
-                f.seek(e.begin)
-                data = f.read(e.nbytes)
-                out[name] = hashlib.sha256(data).hexdigest()
-                if family.classify(name).kind == "fused":
-                    step = e.nbytes // num_experts
-                    for x in range(num_experts):
-                        out[f"{name}[{x}]"] = hashlib.sha256(data[x * step : (x + 1) * step]).hexdigest()
-    return out
-
-
-def write_base(run: Run, local_dir: str, family: Family, source: str) -> dict[str, Any]:
-    """Upload an HF MoE checkpoint folder to base/ with per-file and per-tensor hashes; returns
-    run.json's `base` entry."""
-    config = json.load(open(os.path.join(local_dir, "config.json")))
-    names = [f for f in sorted(os.listdir(local_dir)) if f.endswith(".safetensors") or f.endswith(".safetensors.index.json") or f in MODEL_FILES]
-    writer = ArtifactWriter(run.store, run.base)
-    for fname in names:
-        writer.upload(fname, os.path.join(local_dir, fname))
-    tensors = _hash_tensors(local_dir, family, family.num_experts(config))
-    manifest = writer.commit(kind="base", family=family.name, source=source, tensors=tensors)
-    return {
-        "family": family.name,
-        "model_type": config["model_type"],
-        "num_layers": config["num_hidden_layers"],
-        "num_experts": family.num_experts(config),
-        "checksum": sha256_hex(json.dumps(manifest["files"], sort_keys=True).encode()),
-        "source": source,
-    }
-
-
-def write_tokenizer(run: Run, tokenizer: Any, source: str) -> dict[str, Any]:
-    """Save the tokenizer under tokenizer/ with a manifest; returns run.json's `tokenizer` entry."""
-    folder, files = tokenizer_files(tokenizer)
-    try:
-        writer = ArtifactWriter(run.store, run.tokenizer)
-        for fname in files:
-            writer.upload(fname, os.path.join(folder, fname))
-        manifest = writer.commit(kind="tokenizer", source=source)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    return {"source": source, "vocab_size": len(tokenizer), "checksum": sha256_hex(json.dumps(manifest["files"], sort_keys=True).encode())}
-
-
-def _tokenizer_for(spec_vocab: int, model_vocab: int, tokenizer_dir: str | None, fallback_dir: str | None):
-    """(tokenizer, source): the given one, one shipped with --from, or a BPE trained here."""
-    if tokenizer_dir:
-        tok, source = load_tokenizer(tokenizer_dir), f"dir:{os.path.abspath(tokenizer_dir)}"
-    elif fallback_dir and any(os.path.exists(os.path.join(fallback_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-        tok, source = load_tokenizer(fallback_dir), f"dir:{os.path.abspath(fallback_dir)}"
-    else:
-        tok, source = train_bpe(min(spec_vocab, model_vocab)), "trained:byte-level-bpe(stdlib)"
-    check_vocab(tok, model_vocab, f"tokenizer ({source})")
-    return tok, source
-
-
-def _require_fresh(url: str, storage_options: dict | None) -> None:
-    """Refuse a run that already has a base model (nothing is overwritten)."""
-    try:
-        run = open_run(url, storage_options)
-    except NotFound:
-        return
-    if run.store.exists(f"{run.base}/manifest.json"):
-        raise ConfigurationError(f"{run.url} already has a base model: use a new run folder or prefix")
-
-
 def build_model(spec: ModelSpec, seed: int):
     """A randomly initialised MoE of the spec (seeded)."""
     import torch
@@ -211,116 +126,6 @@ def build_model(spec: ModelSpec, seed: int):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     return model.to(getattr(torch, spec.dtype))
-
-
-def init_run(
-    url: str,
-    *,
-    preset: str | None = None,
-    config_file: str | None = None,
-    from_dir: str | None = None,
-    tokenizer_dir: str | None = None,
-    seed: int = 0,
-    storage_options: dict | None = None,
-) -> dict[str, Any]:
-    """`paths init`: validate everything, then write base/, tokenizer/ and run.json."""
-    if sum(x is not None for x in (preset, config_file, from_dir)) != 1:
-        raise ConfigurationError("paths init needs exactly one of --preset, --config or --from")
-    if from_dir is not None:
-        return _init_from_dir(url, from_dir, tokenizer_dir, storage_options)
-    spec = load_spec(preset_path(preset), f"preset:{preset}") if preset else load_spec(config_file, f"config:{config_file}")
-    tok, tok_source = _tokenizer_for(spec.tokenizer_vocab, spec.config["vocab_size"], tokenizer_dir, None)
-    _require_fresh(url, storage_options)
-    model = build_model(spec, seed)
-    with tempfile.TemporaryDirectory(prefix="paths-base-") as tmp:
-        model.save_pretrained(tmp, max_shard_size=MAX_SHARD)
-        del model
-        run = open_run(url, storage_options, create=True)
-        base = write_base(run, tmp, spec.family, spec.source)
-    meta = run.update_meta(base=base, tokenizer=write_tokenizer(run, tok, tok_source), seed=seed, dtype=spec.dtype)
-    return meta
-
-
-def _init_from_dir(url: str, from_dir: str, tokenizer_dir: str | None, storage_options: dict | None) -> dict[str, Any]:
-    """Import an existing MoE checkpoint folder of a supported family."""
-    config_path = os.path.join(from_dir, "config.json")
-    if not os.path.exists(config_path):
-        raise ConfigurationError(f"--from {from_dir}: no config.json there; give a Hugging Face checkpoint folder")
-    config = json.load(open(config_path))
-    family = family_of_config(config, f"--from {from_dir}")
-    family.check_moe_config(config)
-    weights = [f for f in os.listdir(from_dir) if f.endswith(".safetensors")]
-    if not weights:
-        raise ConfigurationError(f"--from {from_dir}: no .safetensors weights (pickled .bin files are refused: convert them first)")
-    tok, tok_source = _tokenizer_for(config["vocab_size"], config["vocab_size"], tokenizer_dir, from_dir)
-    _require_fresh(url, storage_options)
-    run = open_run(url, storage_options, create=True)
-    base = write_base(run, from_dir, family, f"dir:{os.path.abspath(from_dir)}")
-    return run.update_meta(base=base, tokenizer=write_tokenizer(run, tok, tok_source), dtype=config.get("dtype", config.get("torch_dtype")))
-
-
-def upcycle(
-    url: str,
-    from_dir: str,
-    experts: int,
-    top_k: int = 2,
-    noise: float = 0.0,
-    seed: int = 0,
-    tokenizer_dir: str | None = None,
-    storage_options: dict | None = None,
-) -> dict[str, Any]:
-    """Sparse upcycling (Komatsuzaki et al.): every expert a copy of the dense MLP (plus optional
-    noise), the router small and random; written as the family's MoE checkpoint."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if experts < 1 or not 1 <= top_k <= experts:
-        raise ConfigurationError(f"--experts must be >= 1 and 1 <= --top-k <= --experts (got {experts}, {top_k})")
-    config_path = os.path.join(from_dir, "config.json")
-    if not os.path.exists(config_path):
-        raise ConfigurationError(f"--from {from_dir}: no config.json there; give a Hugging Face checkpoint folder")
-    dense_cfg = json.load(open(config_path))
-    family = family_of_dense_config(dense_cfg, f"--from {from_dir}")
-    moe_fields = family.moe_config(dense_cfg, experts, top_k)
-    tok, tok_source = _tokenizer_for(dense_cfg["vocab_size"], dense_cfg["vocab_size"], tokenizer_dir, from_dir)
-    _require_fresh(url, storage_options)
-
-    dense = AutoModelForCausalLM.from_pretrained(from_dir, dtype="auto")
-    dtype = next(dense.parameters()).dtype
-    cfg = AutoConfig.for_model(family.moe_model_type, **{k: v for k, v in moe_fields.items() if k not in ("model_type", "architectures")})
-    torch.manual_seed(seed)
-    moe = AutoModelForCausalLM.from_config(cfg).to(dtype)
-    dense_sd = dense.state_dict()
-    moe_sd = moe.state_dict()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, tensor in moe_sd.items():
-            role = family.classify(name)
-            if role.kind == "shared":
-                if name not in dense_sd:
-                    raise PathsError(f"upcycle: dense checkpoint {from_dir} has no tensor {name}")
-                tensor.copy_(dense_sd[name])
-            elif role.kind == "router":
-                tensor.copy_(torch.randn(tensor.shape, generator=g) * 0.02)
-            elif role.kind == "fused":
-                if role.part == "gate_up":
-                    src = torch.cat([dense_sd[family.dense_mlp(role.layer, "gate")], dense_sd[family.dense_mlp(role.layer, "up")]])
-                else:
-                    src = dense_sd[family.dense_mlp(role.layer, "down")]
-                for e in range(experts):
-                    w = src.float()
-                    if noise > 0:
-                        w = w + noise * w.std() * torch.randn(w.shape, generator=g)
-                    tensor[e].copy_(w.to(dtype))
-    del dense, dense_sd
-    with tempfile.TemporaryDirectory(prefix="paths-base-") as tmp:
-        moe.save_pretrained(tmp, max_shard_size=MAX_SHARD)
-        del moe
-        run = open_run(url, storage_options, create=True)
-        base = write_base(run, tmp, family, f"upcycle:{os.path.abspath(from_dir)}")
-    return run.update_meta(
-        base=base, tokenizer=write_tokenizer(run, tok, tok_source), upcycle={"experts": experts, "top_k": top_k, "noise": noise, "seed": seed}
-    )
 
 
 # -- reading the base back --------------------------------------------------------------------
@@ -353,53 +158,3 @@ def require_base(run: Run) -> dict[str, Any]:
     if "base" not in meta:
         raise NotFound(f"{run.url} has no base model: run `paths init {run.url} --preset tiny-mixtral` (or --from / upcycle) first")
     return meta
-
-
-def fetch_dir(run: Run, prefix: str) -> str:
-    """A local folder holding a committed artifact (base/, tokenizer/, a checkpoint): the folder
-    itself for a local run, else a verified download into a cache keyed by the manifest's hash."""
-    from storage.manifest import MANIFEST, read_verified
-    from storage.store import LocalStore
-
-    manifest = read_manifest(run.store, prefix)
-    if isinstance(run.store, LocalStore):
-        return run.store.path(prefix)
-    key = sha256_hex(json.dumps(manifest["files"], sort_keys=True).encode())[:16]
-    home = os.environ.get("PATHS_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "paths")
-    folder = os.path.join(home, "artifacts", f"{prefix.replace('/', '_')}-{key}")
-    if os.path.exists(os.path.join(folder, MANIFEST)):
-        return folder
-    os.makedirs(os.path.dirname(folder), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".fetch-", dir=os.path.dirname(folder))
-    for name in manifest["files"]:
-        target = os.path.join(tmp, name)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        with open(target, "wb") as f:
-            f.write(read_verified(run.store, prefix, name))
-    with open(os.path.join(tmp, MANIFEST), "w") as f:
-        json.dump(manifest, f)
-    try:
-        os.rename(tmp, folder)
-    except OSError:  # another process fetched it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
-
-
-def run_tokenizer(run: Run):
-    """The run's shared tokenizer (fast), and the sha256 that names it."""
-    meta = run.read_meta()
-    if "tokenizer" not in meta:
-        raise NotFound(f"{run.url} has no tokenizer: run `paths init {run.url} ...` first")
-    return load_tokenizer(fetch_dir(run, run.tokenizer)), meta["tokenizer"]["checksum"]
-
-
-def load_base_model(run: Run):
-    """The base MoE as a float32 transformers model in eval mode."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from transformers.utils import logging as hf_logging
-
-    require_base(run)
-    hf_logging.disable_progress_bar()  # our own progress bars say what is happening
-    return AutoModelForCausalLM.from_pretrained(fetch_dir(run, run.base), dtype=torch.float32).eval()

@@ -6,7 +6,7 @@ import json
 from typing import IO, Any, Iterator
 
 from sharding.inputs import Fields, Format, OnError, ReadStats, expand, read_records
-from sharding.routers import Doc, load_router
+from sharding.routers import load_router
 from storage.layout import Run
 
 
@@ -23,7 +23,7 @@ def route(
     storage_options: dict[str, Any] | None = None,
 ) -> dict[str, int]:
     """Write one JSON line per document: its id, path, and the `top` ranked paths with scores."""
-    from paths.base import run_tokenizer
+    from paths.models import run_tokenizer
     from sharding.balance import top_k
     from sharding.shard import _encode
 

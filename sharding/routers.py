@@ -141,7 +141,7 @@ class _ModelRouter(Router):
 
     def model(self, run: Run):
         if self._model is None:
-            from paths.base import load_base_model
+            from paths.models import load_base_model
 
             self._model = load_base_model(run)
             limit = getattr(self._model.config, "max_position_embeddings", None)

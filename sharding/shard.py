@@ -22,14 +22,14 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 import numpy as np
 
-from paths.errors import ConfigurationError, IntegrityError, NotFound
+from paths.errors import ConfigurationError
 from sharding import balance
-from sharding.inputs import Fields, Format, OnError, ReadStats, Record, detect_format, expand, read_records
+from sharding.inputs import Fields, Format, OnError, ReadStats, Record, expand, read_records
 from sharding.routers import Doc, Router, load_router, make_router, save_router, stable_hash
 from sharding.writer import FIELDS_DOCUMENTS, FIELDS_PROMPTS, MemoryBudget, PathBuffer, group_checksum, write_groups
 from sharding.zarr_store import HashingStore, open_zarr_store
@@ -117,12 +117,12 @@ class ShardOptions:
 
 def shard(run: Run, opts: ShardOptions, *, overwrite: bool = False, workers: int = 1, storage_options: dict | None = None, progress: Progress | None = None) -> dict[str, Any]:
     """Shard the inputs into data/<dataset>/; returns the manifest."""
-    from paths.base import run_tokenizer
-    from paths.decompose import decomposed_paths
+    from paths.models import run_tokenizer
+    from paths.units import decomposed_paths
 
     progress = progress or (lambda event, n: None)
     if opts.targets == "domains":  # the domain experts' data: one shard per registered domain
-        from experts.domain import list_experts
+        from paths.units import list_experts
 
         domains = sorted({e["domain"] for e in list_experts(run).values()})
         if not domains:
@@ -360,10 +360,8 @@ def _part_arrays(docs: list[Doc], opts: ShardOptions, router: Router, run: Run) 
 # -- consolidation ---------------------------------------------------------------------------------
 def _local_part(run: Run, key: str, folder: str, i: int) -> str:
     """A part as a local file: the object itself on a local run, else a download."""
-    from storage.store import LocalStore
-
-    if isinstance(run.store, LocalStore):
-        return run.store.path(key)
+    if (path := run.store.local_path(key)) is not None:
+        return path
     local = os.path.join(folder, f"part-{i:05d}.safetensors")
     with open(local, "wb") as f:
         f.write(run.store.read(key))

@@ -10,7 +10,6 @@ from typing import Any
 import zarr.storage
 
 from storage.layout import Run
-from storage.store import LocalStore
 
 
 def storage_options(run: Run) -> dict[str, Any]:
@@ -25,8 +24,8 @@ def storage_options(run: Run) -> dict[str, Any]:
 
 def open_zarr_store(run: Run, key: str, read_only: bool):
     """A zarr store rooted at a key of the run."""
-    if isinstance(run.store, LocalStore):
-        return zarr.storage.LocalStore(run.store.path(key), read_only=read_only)
+    if (path := run.store.local_path(key)) is not None:
+        return zarr.storage.LocalStore(path, read_only=read_only)
     return zarr.storage.FsspecStore.from_url(run.store.url_of(key), storage_options=storage_options(run), read_only=read_only)
 
 

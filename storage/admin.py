@@ -7,7 +7,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from paths.errors import ConfigurationError, IntegrityError
+from storage.errors import ConfigurationError, IntegrityError
 from storage.layout import COMMITTED, Run, open_run, parse_checkpoint
 from storage.manifest import MANIFEST, Problem, verify_manifest
 from storage.store import HIDDEN_PREFIX, ObjectInfo

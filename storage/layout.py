@@ -17,17 +17,16 @@ from __future__ import annotations
 import json
 import re
 import time
+from importlib import metadata
 from typing import Any
 
-import paths
-from paths.errors import ConfigurationError, FormatVersionError, IntegrityError, NotFound
+from storage.errors import ConfigurationError, FormatVersionError, IntegrityError, NotFound
 from storage.store import Store
 from storage.url import open_store
 
 FORMAT_VERSION = 1
 RUN_JSON = "run.json"
 COMMITTED = "COMMITTED"
-AREAS = ("base", "tokenizer", "paths", "experts", "router", "data", "claims", "work", "composed", "eval", "rounds")
 _NAME = re.compile(r"[A-Za-z0-9._-]+")
 _CKPT = re.compile(r"ckpt-(\d+)")
 
@@ -182,6 +181,13 @@ def open_run(
     """
     run = Run(open_store(url, storage_options, create=create))
     if create and not run.store.exists(RUN_JSON):
-        run.write_meta({"created_at": time.time(), "created_by": f"paths {paths.__version__}"})
+        run.write_meta({"created_at": time.time(), "created_by": f"paths {_version()}"})
     run.read_meta()
     return run
+
+
+def _version() -> str:
+    try:
+        return metadata.version("paths")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from paths.errors import IntegrityError, NotFound, StorageError
+from storage.errors import IntegrityError, NotFound, PreconditionFailed, StorageError
 from storage.store import Store
 
 MANIFEST = "manifest.json"
@@ -145,3 +146,46 @@ def verify_manifest(store: Store, prefix: str) -> tuple[int, list[Problem]]:
             kind = "size" if size != entry.get("bytes") else "sha256"
             problems.append(Problem(key, kind, str(exc)))
     return checked, problems
+
+
+def install(store: Store, local_dir: str, prefix: str, overwrite: bool, json_files: dict[str, Any] | None = None, hashed: dict[str, dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
+    """Commit a finished local folder as the artifact at `prefix` (its files moved in, then the
+    manifest with `extra`). With `overwrite`, an existing artifact stays whole until the new one is
+    complete and committed beside it (a hidden staging prefix), then `Store.replace_prefix` swaps
+    it in: a failure before the swap leaves the old artifact byte-identical. `hashed`: manifest
+    entries of files hashed while they were written (not read again). Returns the manifest."""
+    import uuid
+
+    from storage.store import HIDDEN_PREFIX
+
+    exists = store.exists(_join(prefix, MANIFEST))
+    if exists and not overwrite:
+        raise PreconditionFailed(f"{store.url_of(prefix)} already exists: pass --overwrite or choose another name")
+    target = f"{HIDDEN_PREFIX}stage-{uuid.uuid4().hex[:12]}" if exists else prefix
+    writer = ArtifactWriter(store, target)
+    try:
+        for name in _files_under(local_dir):
+            local = os.path.join(local_dir, name)
+            if hashed and name in hashed and hashed[name]["bytes"] == os.path.getsize(local):
+                store.move_in(_join(target, name), local)
+                writer.files[name] = dict(hashed[name])
+            else:
+                writer.upload(name, local, move=True)
+        for name, obj in (json_files or {}).items():
+            writer.write_json(name, obj)
+        manifest = writer.commit(**extra)
+        if exists:
+            store.replace_prefix(target, prefix)
+    except BaseException:
+        if exists:  # the staged copy is ours alone: nothing of the old artifact was touched yet
+            store.discard_staged(target)
+        raise
+    return manifest
+
+
+def _files_under(folder: str) -> list[str]:
+    """Every file under a folder, as sorted '/'-joined relative names."""
+    out = []
+    for root, _, files in os.walk(folder):
+        out += [os.path.relpath(os.path.join(root, f), folder).replace(os.sep, "/") for f in files]
+    return sorted(out)

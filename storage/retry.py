@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, TypeVar
 
-from paths.errors import PathsError
+from storage.errors import PathsError
 
 T = TypeVar("T")
 
@@ -106,6 +106,3 @@ class RetryPolicy:
                 if on_retry is not None:
                     on_retry(exc)
                 time.sleep(delay)
-
-
-NO_RETRY = RetryPolicy(attempts=1)

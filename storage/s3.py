@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from paths.errors import NotFound, PreconditionFailed, StorageError
+from storage.errors import NotFound, PreconditionFailed, StorageError
 from storage.retry import RetryPolicy, s3_error
 from storage.store import Store
 

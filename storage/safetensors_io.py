@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass
 from typing import BinaryIO, Callable, Iterable, Iterator
 
-from paths.errors import IntegrityError
+from storage.errors import IntegrityError
 from storage.store import Store
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}

@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from paths.errors import ConfigurationError, StorageError
+from storage.errors import ConfigurationError, StorageError
 
 
 def weed_binary() -> str | None:

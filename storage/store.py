@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import threading
 import uuid
 from collections import Counter
@@ -18,7 +19,7 @@ from typing import IO, Any, Callable, Iterator, TypeVar
 
 import fsspec
 
-from paths.errors import (
+from storage.errors import (
     NotFound,
     PathsError,
     PreconditionFailed,
@@ -92,6 +93,18 @@ class Store:
     def path(self, key: str = "") -> str:
         """The filesystem path of a key ('' is the root)."""
         return f"{self.root}/{check_key(key)}" if key else self.root
+
+    def local_path(self, key: str = "") -> str | None:
+        """The local file or folder a key is, when the store is a local folder (read it in place:
+        memory maps, zarr's LocalStore); None for a remote store (read it through the store)."""
+        return None
+
+    def scratch_dir(self, prefix: str) -> str:
+        """A fresh private temp folder for files on their way into this store; on a local store
+        it sits inside the store (hidden), so `move_in` is a rename, not a copy."""
+        import tempfile
+
+        return tempfile.mkdtemp(prefix=f"paths-{prefix}-")
 
     def url_of(self, key: str = "") -> str:
         """The user-facing URL of a key, for messages."""
@@ -216,6 +229,32 @@ class Store:
         self._check_writable(dst)
         self._call(dst, lambda: self.fs.copy(self.path(src), self.path(dst)))
 
+    def replace_prefix(self, staged: str, prefix: str, last: str = "manifest.json") -> None:
+        """Put the complete artifact at `staged` in place of whatever is at `prefix`, `last` written
+        last. Here (S3, memory): the old `last` goes first (readers then see no artifact rather than
+        a mix), each object is copied server-side, objects of the old artifact that the new one lacks
+        are removed, `last` is copied, and `staged` is removed."""
+        new = {o.key[len(staged) + 1 :] for o in self._list_all(staged)}
+        old = {o.key[len(prefix) + 1 :] for o in self.list(prefix)}
+        self.delete(f"{prefix}/{last}")
+        for name in sorted(new - {last}):
+            self.copy(f"{staged}/{name}", f"{prefix}/{name}")
+        for name in sorted(old - new):
+            self.delete(f"{prefix}/{name}")
+        self.copy(f"{staged}/{last}", f"{prefix}/{last}")
+        self.discard_staged(staged)
+
+    def discard_staged(self, staged: str) -> None:
+        """Remove a staged (hidden) artifact, whole or partial."""
+        for o in self._list_all(staged):
+            self.delete(o.key)
+
+    def _list_all(self, prefix: str) -> list[ObjectInfo]:
+        """Every object under a prefix, hidden ones included (a staged artifact)."""
+        base = self.path(prefix.rstrip("/"))
+        found = self._call(prefix, lambda: self.fs.find(base, withdirs=False, detail=True) if self.fs.exists(base) else {})
+        return [ObjectInfo(key=self._rel(p), size=int(i.get("size") or 0), mtime=_mtime(i)) for p, i in found.items() if i.get("type") != "directory"]
+
     def delete_prefix(self, prefix: str) -> int:
         """Remove every object under prefix; returns how many there were."""
         self._check_writable(prefix)
@@ -279,6 +318,32 @@ class LocalStore(Store):
     """A local folder: temp file + rename for atomic writes, link(2) for create-only, flock for CAS."""
 
     supports_conditional = True
+
+    def local_path(self, key: str = "") -> str | None:
+        return self.path(key)
+
+    def scratch_dir(self, prefix: str) -> str:
+        import tempfile
+
+        os.makedirs(self.root, exist_ok=True)
+        return tempfile.mkdtemp(prefix=f"{HIDDEN_PREFIX}{prefix}-", dir=self.root)
+
+    def replace_prefix(self, staged: str, prefix: str, last: str = "manifest.json") -> None:
+        """Two renames: the old folder aside (hidden), the staged one into place; then the old one
+        is removed. A crash between them leaves both whole, the old one under a hidden name."""
+        self._check_writable(prefix)
+        src, dst = self.path(staged), self.path(prefix)
+        if not os.path.exists(dst):
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            os.rename(src, dst)
+            return
+        aside = os.path.join(os.path.dirname(dst), f"{HIDDEN_PREFIX}tmp-old-{uuid.uuid4().hex[:12]}-{os.path.basename(dst)}")
+        os.rename(dst, aside)
+        os.rename(src, dst)
+        shutil.rmtree(aside, ignore_errors=True)
+
+    def discard_staged(self, staged: str) -> None:
+        shutil.rmtree(self.path(staged), ignore_errors=True)
 
     def _tmp(self, path: str) -> str:
         head, tail = os.path.split(path)

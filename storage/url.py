@@ -7,7 +7,7 @@ from typing import Any
 
 import fsspec
 
-from paths.errors import ConfigurationError, NotFound
+from storage.errors import ConfigurationError, NotFound
 from storage.retry import RetryPolicy
 from storage.s3 import S3Store, make_s3fs, split_s3_url
 from storage.store import LocalStore, MemoryStore, Store

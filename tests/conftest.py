@@ -103,7 +103,7 @@ def family_name(request) -> str:
 @pytest.fixture
 def tiny_run(family_name, tmp_path, tokenizer_dir):
     """A local run holding a tiny MoE of the family, seeded."""
-    from paths.base import init_run
+    from paths.prepare.init import init_run
     from storage.layout import open_run
 
     url = str(tmp_path / "run")

@@ -14,9 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from cli.main import main
 from compose.merge import compose_moe
-from paths.decompose import materialize
+from paths.models import materialize
 from paths.errors import ConfigurationError, IntegrityError
-from storage.layout import open_run
 from storage.manifest import ArtifactWriter
 from tests.sharding.conftest import make_run
 
@@ -160,8 +159,8 @@ def test_bad_input_is_refused_with_nothing_written(run2, tmp_path):
 
 
 def test_next_round_makes_the_composed_model_the_base(run2, tmp_path):
-    from paths.claims import claim
-    from paths.decompose import decomposed_paths
+    from paths.work.claims import claim
+    from paths.units import decomposed_paths
     from storage.admin import verify
 
     finish(run2, "p01-01", tmp_path, {SHARED: 0.5})

@@ -18,9 +18,8 @@ from transformers import AutoModelForCausalLM
 from cli.main import main
 from compose.ensemble import compose_ensemble
 from experts.domain import add_expert
-from paths.decompose import decompose
 from paths.errors import ConfigurationError
-from paths.train import train
+from paths.work.train import train
 from paths.train_config import load_config
 from sharding.dataset import read_documents
 from sharding.shard import ShardOptions, shard

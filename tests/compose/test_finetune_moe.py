@@ -5,7 +5,6 @@ equals the reference on CUDA (marked gpu)."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -19,10 +18,9 @@ from experts.moe import load_balancing_loss, patched
 from paths.base import build_model, load_spec, preset_path
 from paths.errors import ConfigurationError
 from paths.families import get_family
-from paths.train import train
+from paths.work.train import train
 from paths.train_config import load_config
 from sharding.shard import ShardOptions, shard
-from storage.layout import open_run
 from tests.sharding.conftest import docs, make_run, write_jsonl
 
 FAMILIES = {"tiny-mixtral": "mixtral", "tiny-qwen3moe": "qwen3_moe"}

@@ -16,11 +16,11 @@ from safetensors.torch import load_file, save_file
 
 from cli.main import main
 from compose.merge import compose_moe
-from paths.decompose import materialize
+from paths.models import materialize
 from paths.errors import ConfigurationError
 from paths.families import fill, get_family
 from paths.plan import Plan
-from paths.train import train
+from paths.work.train import train
 from paths.train_config import load_config
 from sharding.dataset import read_documents
 from sharding.shard import ShardOptions, shard

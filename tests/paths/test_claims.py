@@ -11,10 +11,9 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import main
-from paths.claims import claim, read_claim, release
+from paths.work.claims import claim, read_claim
 from paths.errors import LeaseLost, NothingToClaim
 from tests.paths.claim_worker import claim_cli
-from tests.sharding.conftest import make_run
 
 
 @pytest.mark.parametrize("kind", ["local", "s3"])
@@ -25,8 +24,8 @@ def test_twelve_workers_race_for_eight_paths(kind, tmp_path, tokenizer_dir, requ
     else:
         server, bucket = request.getfixturevalue("seaweed"), request.getfixturevalue("bucket")
         url, options, env = f"s3://{bucket}/claims-{tmp_path.name}", server.storage_options, server.env()
-    from paths.base import init_run
-    from paths.decompose import decompose
+    from paths.prepare.init import init_run
+    from paths.prepare.decompose import decompose
     from storage.layout import open_run
 
     init_run(url, preset="tiny-mixtral", tokenizer_dir=tokenizer_dir, storage_options=options)

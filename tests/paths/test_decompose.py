@@ -11,8 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from experts.routing import forced_routing
-from paths.base import upcycle
-from paths.decompose import decompose, materialize, run_plan
+from paths.prepare.init import upcycle
+from paths.prepare.decompose import decompose
+from paths.models import materialize
+from paths.units import run_plan
 from paths.families import get_family
 from storage.layout import open_run
 
@@ -77,7 +79,7 @@ def test_materialize_flag_writes_loadable_init(tiny_run):
 
 @pytest.mark.s3
 def test_materialize_from_s3_reads_only_the_path(seaweed, bucket, tokenizer_dir, tmp_path):
-    from paths.base import init_run
+    from paths.prepare.init import init_run
 
     url = f"s3://{bucket}/mat-{tmp_path.name}"
     init_run(url, preset="tiny-mixtral", tokenizer_dir=tokenizer_dir, storage_options=seaweed.storage_options)
@@ -114,7 +116,7 @@ def test_upcycled_moe_equals_dense_model(dense_family, tmp_path, tokenizer_dir):
 
 def test_small_reads_give_identical_output_and_still_check(tiny_run, tmp_path, monkeypatch):
     """Tensors spread over many reads are hashed incrementally; output is byte-identical."""
-    import paths.decompose as D
+    import paths.models as D
     from storage.safetensors_io import read_plan
 
     decompose(tiny_run, 2, "p01-01")

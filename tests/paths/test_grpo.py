@@ -15,10 +15,10 @@ from click.testing import CliRunner
 
 from cli.main import main
 from paths.errors import ConfigurationError, DataError
-from paths.grpo import clipped_surrogate, group_advantages, grpo_backward, kl_k3, reduce_loss, rollout
-from paths.rewards import extract_answer, format_reward, load_reward, math_answer
-from paths.tasks import arithmetic, write_jsonl
-from paths.train import train
+from paths.work.grpo import clipped_surrogate, group_advantages, grpo_backward, kl_k3, reduce_loss, rollout
+from paths.work.rewards import extract_answer, format_reward, load_reward, math_answer
+from paths.work.tasks import arithmetic, write_jsonl
+from paths.work.train import train
 from paths.train_config import load_config
 from sharding.shard import ShardOptions, shard
 from tests.sharding.conftest import make_run
@@ -96,7 +96,7 @@ def test_accumulating_4x1_equals_1x4(rl_run, loss):
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from paths.decompose import materialize
+    from paths.models import materialize
     from sharding.dataset import read_prompts
 
     folder = os.path.join(str(rl_run.store.root), "..", "p00-init")
@@ -198,8 +198,8 @@ def test_lean_sampler_matches_the_model_and_keeps_the_cache_right(rl_run, tmp_pa
     greedy tokens (left padding and positions included)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from paths.decompose import materialize
-    from paths.grpo import generate, left_pad
+    from paths.models import materialize
+    from paths.work.grpo import generate, left_pad
     from sharding.dataset import read_prompts
 
     materialize(rl_run, "p00", str(tmp_path / "m"))

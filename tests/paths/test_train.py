@@ -18,12 +18,12 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from cli.main import main
-from paths.claims import claim, read_claim, release, save_local
+from paths.work.claims import claim, read_claim, release, save_local
 from paths.errors import LeaseLost
-from paths.train import micro_loss, train
+from paths.steps import targets_of
+from paths.work.train import train
 from paths.train_config import load_config
 from sharding.shard import ShardOptions, shard
-from storage.layout import open_run
 from tests.sharding.conftest import docs, make_run, write_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -142,8 +142,8 @@ def test_sft_loss_covers_completion_tokens_only(run2, tmp_path):
     rows = [{"prompt": f"Q: {i} + {i} =", "completion": f" {2 * i}"} for i in range(40)]
     f = write_jsonl(str(tmp_path / "sft.jsonl"), rows)
     shard(run2, ShardOptions(dataset="sft", inputs=[f], kind="prompts", text_field="prompt", answer_field="completion", holdout=0.0, router="hash"))
-    from paths.base import run_tokenizer
-    from paths.sft_data import SFTDataset
+    from paths.models import run_tokenizer
+    from paths.work.sft_data import SFTDataset
 
     tok, _ = run_tokenizer(run2)
     manifest = json.loads(run2.store.read("data/sft/manifest.json"))
@@ -152,23 +152,10 @@ def test_sft_loss_covers_completion_tokens_only(run2, tmp_path):
     batch = next(iter(torch.utils.data.DataLoader(ds, batch_size=4)))
     record = ds.samples[int(batch["index"][0])]
     completion = len(record[0]) - record[1]  # completion tokens + EOS
-    model = torch.nn.Module()
-    _, n = micro_loss(_Uniform(len(tok)), {k: v[:1] for k, v in batch.items()}, 1)
+    n = targets_of({k: v[:1] for k, v in batch.items()})
     assert n == completion
     summary = train(run2, path, "sft", "sft", load_config(sets=["seq_len=32", "batch_size=4"], steps=3, checkpoint_every=0), None, show_progress=False)
     assert summary["steps"] == 3 and summary["tokens"] > 0
-
-
-class _Uniform(torch.nn.Module):
-    """Logits of zeros: a model for checking which targets count."""
-
-    def __init__(self, vocab: int):
-        super().__init__()
-        self.vocab = vocab
-        self.p = torch.nn.Parameter(torch.zeros(1))
-
-    def forward(self, input_ids):
-        return type("Out", (), {"logits": torch.zeros(*input_ids.shape, self.vocab) + self.p})()
 
 
 @pytest.mark.slow

@@ -14,8 +14,8 @@ DOMAINS = ("code", "math", "prose")
 
 def make_run(url: str, tokenizer_dir: str, levels: int, storage_options: dict | None = None) -> Run:
     """A tiny Mixtral run (4 experts, 4 layers) decomposed with `levels` levels."""
-    from paths.base import init_run
-    from paths.decompose import decompose
+    from paths.prepare.init import init_run
+    from paths.prepare.decompose import decompose
 
     init_run(url, preset="tiny-mixtral", tokenizer_dir=tokenizer_dir, seed=1, storage_options=storage_options)
     run = open_run(url, storage_options)

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from paths.base import run_tokenizer
+from paths.models import run_tokenizer
 from sharding import shard as shard_mod
 from sharding.dataset import dataset_manifest, read_documents, read_prompts
 from sharding.shard import ShardOptions, shard

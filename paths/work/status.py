@@ -5,13 +5,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from paths.claims import claimable, read_claim
+from paths.work.claims import claimable, read_claim
 from storage.layout import Run
 
 
 def status(run: Run) -> list[dict[str, Any]]:
     """One row per decomposed path and per registered domain expert."""
-    from experts.domain import units
+    from paths.units import units
 
     ids = units(run)
     now = time.time()

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 
 from paths.errors import ConfigurationError, DataError
-from paths.rewards import Reward, score
+from paths.work.rewards import Reward, score
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 Scale = Literal["group", "batch", "none"]

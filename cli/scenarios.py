@@ -31,8 +31,8 @@ Stage = tuple[str, Callable[[], Any]]
 
 def _opening(run, root: str, levels: int) -> Iterator[Stage]:
     """Every scenario's start: the run, the tiny base (reused when there), the plan."""
-    from paths.base import init_run
-    from paths.decompose import decompose, describe
+    from paths.prepare.init import init_run
+    from paths.prepare.decompose import decompose, describe
 
     yield f"paths storage init {root}", lambda: f"run at {run.url}"
     if "base" in run.read_meta():
@@ -45,7 +45,7 @@ def _opening(run, root: str, levels: int) -> Iterator[Stage]:
 
 def stages(root: str = DEFAULT_ROOT) -> Iterator[Stage]:
     """The quickstart's stages in order, for a run at `root`."""
-    from paths.decompose import materialize
+    from paths.models import materialize
 
     run = admin.init(root)
     yield from _opening(run, root, LEVELS)
@@ -109,7 +109,8 @@ def _hdee_stages(run, root: str, corpus: str) -> Iterator[Stage]:
 
 
 def _add_expert(run, name: str) -> str:
-    from experts.domain import add_expert, expert_info
+    from experts.domain import add_expert
+    from paths.units import expert_info
 
     domain, preset, steps = {**HDEE, **HOMOGENEOUS}[name]
     if run.store.exists(f"{run.expert(name)}/manifest.json"):
@@ -120,7 +121,7 @@ def _add_expert(run, name: str) -> str:
 
 
 def _experts(run) -> str:
-    from experts.domain import list_experts
+    from paths.units import list_experts
 
     rows = [f"{n:8} {e['domain']:6} {e['parameters']:>9,} parameters  {e['steps']} steps" for n, e in list_experts(run).items()]
     return "\n".join(rows)
@@ -134,10 +135,10 @@ def _shard_experts(run, corpus: str) -> dict[str, Any]:
 
 def _train_experts(run) -> str:
     """The worker loop over the experts: each trains its own budget."""
-    from experts.domain import expert_names, step_budget
-    from paths.claims import claim
+    from paths.units import expert_names, step_budget
+    from paths.work.claims import claim
     from paths.errors import NothingToClaim
-    from paths.train import train
+    from paths.work.train import train
     from paths.train_config import load_config
 
     lines = []
@@ -226,10 +227,10 @@ def _shard_lm(run, corpus: str) -> dict[str, Any]:
 
 def _train_all(run) -> str:
     """The worker loop, in this process: claim until exit 3, training each path a few steps."""
-    from paths.claims import claim
-    from paths.decompose import decomposed_paths
+    from paths.work.claims import claim
+    from paths.units import decomposed_paths
     from paths.errors import NothingToClaim
-    from paths.train import train
+    from paths.work.train import train
     from paths.train_config import load_config
 
     _, ids = decomposed_paths(run)
@@ -247,13 +248,13 @@ def _train_all(run) -> str:
 
 def _status(run) -> str:
     from cli.render import render_status
-    from paths.status import status
+    from paths.work.status import status
 
     return render_status(status(run))
 
 
 def _tasks(path: str) -> str:
-    from paths.tasks import arithmetic, write_jsonl
+    from paths.work.tasks import arithmetic, write_jsonl
 
     write_jsonl(arithmetic(RL_PROMPTS, [1, 2]), path)
     return f"wrote {RL_PROMPTS} prompts with exact answers to {path}"
@@ -271,10 +272,11 @@ def _grpo(run) -> str:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from paths.claims import claim, release
-    from paths.grpo import evaluate
-    from paths.rewards import load_reward
-    from paths.train import fetch_final, train
+    from paths.work.claims import claim, release
+    from paths.work.grpo import evaluate
+    from paths.work.rewards import load_reward
+    from paths.models import fetch_final
+    from paths.work.train import train
     from paths.train_config import load_config
     from sharding.dataset import read_prompts
 
@@ -372,9 +374,9 @@ def _shard_flex(run, corpus: str, domain_map: str) -> dict[str, Any]:
 
 
 def _train_anchored(run) -> str:
-    from paths.claims import claim
+    from paths.work.claims import claim
     from paths.errors import NothingToClaim
-    from paths.train import train
+    from paths.work.train import train
     from paths.train_config import load_config
 
     cfg = load_config(sets=["seq_len=128", "batch_size=8", "warmup_steps=3", "lr=2e-3", "freeze=shared"], steps=FLEX_STEPS, checkpoint_every=0)

@@ -1,0 +1,1 @@
+"""The prepare stage: put a base MoE into a run (init, upcycle) and cut it into paths (decompose)."""

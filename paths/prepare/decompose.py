@@ -1,0 +1,103 @@
+"""`paths decompose`: cut the base MoE into paths, and `paths plan`'s description of the cut.
+
+A path is only `paths/<id>/path.json` (plan, expert per layer, base checksum, parameter count); its
+weights are read from `base/` when needed (`paths.models.materialize`, by ranged reads).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any, Iterator
+
+from paths.base import base_tensors, count_parameters, require_base
+from paths.errors import ConfigurationError
+from paths.models import materialize, path_pieces
+from paths.plan import Plan
+from paths.units import run_plan
+from storage.layout import Run
+from storage.manifest import ArtifactWriter, read_manifest
+
+
+def decompose(run: Run, levels: int, select: str = "all", materialize: bool = False) -> dict[str, Any]:
+    """Write paths/<id>/path.json for the selected paths (and init/ checkpoints if asked)."""
+    plan, family, config = run_plan(run, levels)
+    meta = run.read_meta()
+    if "plan" in meta and meta["plan"]["levels"] != levels:
+        raise ConfigurationError(
+            f"{run.url} is already decomposed with --levels {meta['plan']['levels']}: use a new run, or `paths next-round` for a new plan"
+        )
+    ids = plan.select(select)
+    tensors, _ = base_tensors(run)
+    shapes = {n: e.shape for n, e in tensors.items()}
+    params = count_parameters(shapes, family, plan.num_experts)
+    checksum = meta["base"]["checksum"]
+    writer = ArtifactWriter(run.store, "paths")
+    for files in _existing_path_files(run):
+        writer.files.update(files)
+    for pid in ids:
+        experts = plan.experts_per_layer(pid)
+        pieces = path_pieces(family, tensors, experts)
+        writer.write_json(f"{pid}/path.json", {
+            "path": pid,
+            "plan": plan.to_json(),
+            "experts": experts,
+            "family": family.name,
+            "base_checksum": checksum,
+            "parameters": params["path"],
+            "bytes": sum(p.source.nbytes for p in pieces),
+        })
+    writer.commit(kind="paths")
+    run.update_meta(plan=plan.to_json())
+    if materialize:
+        for pid in ids:
+            materialize_to_run(run, pid)
+    return {"plan": plan.to_json(), "paths": ids, "parameters_per_path": params["path"]}
+
+
+def _existing_path_files(run: Run) -> Iterator[dict[str, Any]]:
+    """Entries of an earlier paths/manifest.json, so decomposing more paths keeps the old ones."""
+    if run.store.exists("paths/manifest.json"):
+        yield read_manifest(run.store, "paths")["files"]
+
+
+def materialize_to_run(run: Run, path_id: str) -> None:
+    """Write paths/<id>/init/ (a standalone dense checkpoint) into the run, with a manifest."""
+    tmp = tempfile.mkdtemp(prefix="paths-mat-")
+    try:
+        materialize(run, path_id, tmp)
+        writer = ArtifactWriter(run.store, run.path_init(path_id))
+        for name in sorted(os.listdir(tmp)):
+            writer.upload(name, os.path.join(tmp, name))
+        writer.commit(kind="path-init", path=path_id)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def describe(run: Run, levels: int | None = None) -> dict[str, Any]:
+    """What `paths plan` shows: levels, layers per level, paths, parameters per path and in all."""
+    meta = require_base(run)
+    if levels is None and "plan" not in meta:
+        levels = 1
+    plan, family, _ = run_plan(run, levels)
+    tensors, _ = base_tensors(run)
+    params = count_parameters({n: e.shape for n, e in tensors.items()}, family, plan.num_experts)
+    return summarize(plan, family.name, params, decomposed="plan" in meta)
+
+
+def summarize(plan: Plan, family: str, params: dict[str, int], decomposed: bool) -> dict[str, Any]:
+    """The plan table's content from a plan and parameter counts."""
+    return {
+        "family": family,
+        "decomposed": decomposed,
+        "levels": plan.levels,
+        "layers_per_level": [len(r) for r in plan.level_layers],
+        "level_layers": [[r.start, r.stop - 1] for r in plan.level_layers],
+        "experts_per_layer": plan.num_experts,
+        "paths": plan.num_paths,
+        "parameters_per_path": params["path"],
+        "parameters_total": params["total"],
+        "parameters_shared": params["shared"],
+        "example_path": plan.path_id(tuple([0] * plan.levels)),
+    }

@@ -1,0 +1,345 @@
+"""The one training loop: every unit that learns (a path by lm, sft or grpo; a composed MoE's
+routers) runs through `Trainer.fit`, so all of them resume, checkpoint, log and stop alike.
+
+The loop owns the optimizer (AdamW, decay on matrices), the warmup + cosine schedule, clipping,
+resume (weights, optimizer, data position, RNG, metrics), the metrics JSON lines, progress and the
+checkpoint cadence (every N steps and every M minutes). What varies is declared:
+- a `Step` computes one optimizer step's gradients from the batches (`grad_accum` micro-batches,
+  a rollout, ...) and says between which steps a checkpoint may fall;
+- `Batches` hand out batches and save and restore their position;
+- `Callback`s hook in: the lease heartbeat and fencing of a claimed path, signal handling.
+
+A stop request (a lost lease, a signal) is agreed by every rank through an all-reduce each step:
+a lost lease stops without writing; a signal commits a checkpoint first, then raises Interrupted.
+Only rank 0 writes to the run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Protocol, TypeVar
+
+import torch
+
+from paths import checkpoint
+from paths.errors import LeaseLost, PathsError
+from paths.train_config import TrainConfig
+from storage.layout import Run
+
+T = TypeVar("T")
+
+
+class Interrupted(PathsError):
+    """Stopped by a signal after committing a checkpoint."""
+
+    exit_code = 143
+
+
+class Step(Protocol):
+    """One optimizer step's gradients: calls `acc.backward` on its losses and returns at least
+    `loss` and `tokens` (the step's targets, counted once per rank)."""
+
+    checkpoint_multiple: int  # a checkpoint falls only on steps divisible by this (grpo: a rollout's iterations)
+
+    def __call__(self, model: torch.nn.Module, acc: Any, batches: "Batches") -> dict[str, float]: ...
+
+
+class Batches(Protocol):
+    """An endless batch iterator whose position is saved in every checkpoint."""
+
+    def __next__(self) -> dict[str, torch.Tensor]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(slots=True)
+class Stop:
+    """Why the loop must stop, set from a heartbeat thread or a signal handler."""
+
+    lost: LeaseLost | None = None
+    signal: int | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Callback:
+    """Hooks of the loop; each does nothing unless overridden. `trainer.stop` is theirs to set."""
+
+    def started(self, trainer: "Trainer") -> None:
+        """After resume, before the first step."""
+
+    def stepped(self, trainer: "Trainer", record: dict[str, Any]) -> None:
+        """After each optimizer step, with its metrics record."""
+
+    def fence(self, trainer: "Trainer") -> None:
+        """Right before anything is committed to the run: raise to refuse the commit."""
+
+    def committed(self, trainer: "Trainer", step: int) -> None:
+        """After a checkpoint at `step` was committed."""
+
+    def interrupted(self, trainer: "Trainer", step: int, signal_name: str) -> None:
+        """After the checkpoint a signal asked for was committed, before Interrupted is raised."""
+
+    def finished(self, trainer: "Trainer") -> None:
+        """After the caller committed the unit's result."""
+
+    def close(self) -> None:
+        """Always, last (success or not)."""
+
+    def state(self) -> dict[str, Any]:
+        """Fields this callback adds to every checkpoint's state.json."""
+        return {}
+
+    def postfix(self) -> dict[str, str]:
+        """Fields this callback adds to the progress bar."""
+        return {}
+
+
+class Signals(Callback):
+    """SIGTERM / SIGINT ask the loop to checkpoint and stop (from the main thread only)."""
+
+    def __init__(self) -> None:
+        self.previous: dict[int, Any] = {}
+
+    def started(self, trainer: "Trainer") -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for s in (signal.SIGTERM, signal.SIGINT):
+            self.previous[s] = signal.getsignal(s)
+            signal.signal(s, lambda signum, frame: setattr(trainer.stop, "signal", signum))
+
+    def close(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        self.previous.clear()
+
+
+@dataclass(slots=True)
+class Result:
+    """What a fit did: the step it resumed from, the step, tokens and loss it ended at."""
+
+    resumed_from: int
+    step: int
+    tokens: int
+    loss: float | None
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to 1, then cosine down to min_lr_ratio at the last step."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters, with weight decay on matrices only (not on norms and
+    biases)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # The fused kernel (CPU and CUDA) does the whole update in one pass per tensor.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+
+
+def rng_state() -> dict[str, Any]:
+    """torch's global RNG state (and every CUDA device's), as hex strings for state.json."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state().numpy().tobytes().hex()}
+    if torch.cuda.is_available():
+        state["cuda"] = [s.numpy().tobytes().hex() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` saved."""
+    torch.set_rng_state(torch.frombuffer(bytearray(bytes.fromhex(state["torch"])), dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(bytes.fromhex(s)), dtype=torch.uint8) for s in state["cuda"]])
+
+
+def read_metrics(run: Run, unit: str) -> list[dict[str, Any]]:
+    """work/<unit>/metrics.jsonl, one record per optimizer step ([] before the first commit)."""
+    key = f"{run.work(unit)}/metrics.jsonl"
+    if not run.store.exists(key):
+        return []
+    return [json.loads(line) for line in run.store.read(key).decode().splitlines() if line.strip()]
+
+
+class Trainer:
+    """Fit `model` to cfg.steps with `step` over `batches`, checkpointing under work/<unit>/.
+
+    `job` names what is trained (mode, dataset, ...): a checkpoint is resumed only when its
+    state.json matches every field, and each checkpoint records them. `resume_hint` ends the
+    message of an interruption (the command that resumes).
+    """
+
+    def __init__(
+        self,
+        run: Run,
+        unit: str,
+        job: dict[str, Any],
+        cfg: TrainConfig,
+        model: torch.nn.Module,
+        step: Step,
+        batches: Batches,
+        acc: Any,
+        *,
+        callbacks: Iterable[Callback] = (),
+        desc: str = "train",
+        show_progress: bool = True,
+        resume_hint: str = "run the same command again",
+    ):
+        self.run, self.unit, self.job, self.cfg = run, unit, dict(job), cfg
+        self.model, self.step_fn, self.batches, self.acc = model, step, batches, acc
+        self.callbacks = list(callbacks)
+        self.desc, self.show_progress, self.resume_hint = desc, show_progress, resume_hint
+        self.stop = Stop()
+        self.optimizer = make_optimizer(model, cfg)
+        self.step, self.tokens, self.loss = 0, 0, None
+        self.metrics: list[dict[str, Any]] = []
+        self.main = acc.is_main_process
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def fit(self) -> Result:
+        """Resume if a checkpoint of this job exists, then step to cfg.steps; callbacks closed
+        on the way out whatever happens."""
+        try:
+            return self._fit()
+        except BaseException:
+            self.close()
+            raise
+
+    def _fit(self) -> Result:
+        cfg, acc = self.cfg, self.acc
+        start = self._resume()
+        scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg), last_epoch=start - 1) if start else torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
+        self.model, self.optimizer = acc.prepare(self.model, self.optimizer)
+        for cb in self.callbacks:
+            cb.started(self)
+        multiple = self.step_fn.checkpoint_multiple
+        bar = _progress(self.show_progress and self.main, start, cfg.steps, f"{self.desc} {self.unit}")
+        last_ckpt_time, t0, tokens_at_t0 = time.time(), time.time(), self.tokens
+        self.model.train()
+        while self.step < cfg.steps:
+            self._check_stop()
+            stats = self.step_fn(self.model, acc, self.batches)  # gradients of one optimizer step
+            if cfg.max_grad_norm > 0:
+                acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+            self.optimizer.step()
+            scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            self.tokens += int(stats.pop("tokens")) * acc.num_processes
+            self.loss = stats["loss"]
+            rate = (self.tokens - tokens_at_t0) / max(1e-9, time.time() - t0)  # since this process started
+            record = {"step": self.step, **stats, "lr": scheduler.get_last_lr()[0], "tokens": self.tokens, "tokens_per_s": rate, "time": time.time()}
+            self.metrics.append(record)
+            for cb in self.callbacks:
+                cb.stepped(self, record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{self.loss:.3f}", tok_s=f"{rate:,.0f}", **{k: v for cb in self.callbacks for k, v in cb.postfix().items()})
+            due = (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or time.time() - last_ckpt_time > cfg.checkpoint_minutes * 60
+            between = self.step % multiple == 0  # grpo: not inside a rollout's iterations
+            if due and between and self.step < cfg.steps:
+                self.save_checkpoint()
+                last_ckpt_time = time.time()
+            if self.stop.lost is not None or (self.stop.signal is not None and between):
+                self._check_stop(save=True)
+        bar.close()
+        self._check_stop()
+        return Result(start, self.step, self.tokens, self.loss)
+
+    def _resume(self) -> int:
+        resumed = checkpoint.load_latest(self.run, self.unit, self.job)
+        if resumed is None:
+            return 0
+        start, model_sd, opt_sd, state = resumed
+        self.model.load_state_dict(model_sd)
+        checkpoint.load_optimizer(self.optimizer, opt_sd, state["optimizer"])
+        data = state["data"]
+        self.batches.load_state_dict(data[self.acc.process_index] if isinstance(data, list) else data)
+        set_rng_state(state["rng"])
+        self.step, self.tokens, self.loss = start, state["tokens"], state["loss"]
+        self.metrics = [m for m in read_metrics(self.run, self.unit) if m["step"] <= start]
+        return start
+
+    # -- committing -------------------------------------------------------------------------------
+    def fence(self) -> None:
+        """Ask every callback whether we may still write (a lease that moved on refuses)."""
+        for cb in self.callbacks:
+            cb.fence(self)
+
+    def save_checkpoint(self) -> None:
+        """Commit work/<unit>/ckpt-<step>/ (rank 0), the metrics so far, and prune old ones."""
+        data = self.batches.state_dict()
+        if self.acc.num_processes > 1:  # every rank consumed the same number of windows
+            data = [{**data, "rank": r} for r in range(self.acc.num_processes)]
+        state = {
+            **self.job, "step": self.step, "tokens": self.tokens, "loss": self.loss, "config": self.cfg.to_json(),
+            "data": data, "rng": rng_state(), **{k: v for cb in self.callbacks for k, v in cb.state().items()},
+        }
+        self.acc.wait_for_everyone()
+        if not self.main:
+            return
+        checkpoint.save(self.run, self.unit, self.step, self.acc.unwrap_model(self.model), self.optimizer, state, self.fence)
+        self.write_metrics()
+        checkpoint.prune(self.run, self.unit, self.cfg.keep_checkpoints)
+        for cb in self.callbacks:
+            cb.committed(self, self.step)
+
+    def write_metrics(self) -> None:
+        """work/<unit>/metrics.jsonl: one JSON line per optimizer step, resumed runs included."""
+        self.run.store.write(f"{self.run.work(self.unit)}/metrics.jsonl", "".join(json.dumps(m) + "\n" for m in self.metrics).encode())
+
+    def finish(self, commit: Callable[[Callable[[], None]], T]) -> T | None:
+        """After `fit`: rank 0 commits the result with `commit(fence)`, writes the metrics and tells
+        the callbacks; returns what `commit` returned (None on other ranks). Closes the callbacks."""
+        try:
+            self.acc.wait_for_everyone()
+            if not self.main:
+                return None
+            out = commit(self.fence)
+            self.write_metrics()
+            for cb in self.callbacks:
+                cb.finished(self)
+            return out
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Close every callback (heartbeats stop, signal handlers are restored)."""
+        for cb in self.callbacks:
+            cb.close()
+
+    @property
+    def unwrapped(self) -> torch.nn.Module:
+        """The model without the accelerator's wrapper (to save or evaluate)."""
+        return self.acc.unwrap_model(self.model)
+
+    def _check_stop(self, save: bool = False) -> None:
+        """All ranks stop together: on a lost lease without writing; on a signal after a checkpoint."""
+        flags = torch.tensor([self.stop.lost is not None, self.stop.signal is not None], dtype=torch.int64)
+        if self.acc.num_processes > 1:
+            flags = self.acc.reduce(flags, reduction="sum")
+        if flags[0]:
+            raise self.stop.lost or LeaseLost("rank 0 lost the lease: stopping without writing")
+        if flags[1] and save:
+            self.save_checkpoint()
+            name = signal.Signals(self.stop.signal or signal.SIGTERM).name
+            if self.main:
+                for cb in self.callbacks:
+                    cb.interrupted(self, self.step, name)
+            raise Interrupted(f"stopped by {name} at step {self.step} of {self.desc} {self.unit}: checkpoint committed; resume: {self.resume_hint}")
+
+
+def _progress(enabled: bool, start: int, total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc=desc, unit="step", disable=not enabled or None)

@@ -1,0 +1,242 @@
+"""`paths train`: fine-tune one claimed unit (a path or domain expert) by lm, sft or grpo.
+
+Materialize the unit (cut from base/, or its `final/` for a stage after another); build the model,
+its data and its step (lm / sft: `paths.steps.LMStep`; grpo: `GRPOStep`); then `Trainer.fit`
+(paths/trainer.py) runs the loop, with two callbacks: `LeaseKeeper` renews the lease from a
+heartbeat thread and fences every commit (a refused renewal stops the loop before anything more is
+written), and `Signals` turns SIGTERM / SIGINT into a committed checkpoint, the unit handed back
+(state `open`) and exit 143. Only rank 0 touches the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from typing import Any, Literal
+
+import torch
+
+from paths.errors import ConfigurationError, LeaseLost, PathsError
+from paths.families import PARTS
+from paths.models import fetch_final, materialize, materialize_expert
+from paths.steps import LMStep, ShardBatches
+from paths.train_config import TrainConfig
+from paths.trainer import Callback, Signals, Stop, Trainer
+from paths.units import data_id, is_expert
+from paths.work.claims import Lease
+from storage.layout import Run
+from storage.manifest import ArtifactWriter, sha256_hex
+
+Mode = Literal["lm", "sft", "grpo"]
+
+
+class Heartbeat(threading.Thread):
+    """Renews the lease every `interval` seconds with the latest progress; marks a loss."""
+
+    def __init__(self, lease: Lease, stop: Stop, interval: float):
+        super().__init__(daemon=True, name="paths-heartbeat")
+        self.lease, self.stop, self.interval = lease, stop, interval
+        self.progress: dict[str, Any] = {}
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.interval):
+            try:
+                self.renew()
+            except LeaseLost:
+                return  # recorded in stop.lost: the training loop stops at its next step
+
+    def renew(self) -> None:
+        """Renew now (also the fencing check before a commit); raises LeaseLost."""
+        with self.stop.lock:
+            try:
+                self.lease.renew(**self.progress)
+            except LeaseLost as exc:
+                self.stop.lost = exc
+                raise
+            except PathsError:
+                pass  # a transient storage error: the next beat retries well before expiry
+
+
+class LeaseKeeper(Callback):
+    """The claimed unit's lease: renewed by a heartbeat, checked before every commit, handed
+    back (`open`) on a signal and finished (`done`) once the final is committed."""
+
+    def __init__(self, lease: Lease):
+        self.lease = lease
+        self.beat: Heartbeat | None = None
+
+    def started(self, trainer: Trainer) -> None:
+        self.beat = Heartbeat(self.lease, trainer.stop, interval=max(0.2, min(self.lease.ttl / 3, 30.0)))
+        self.beat.renew()  # we hold it now, or stop before any work
+        self.beat.start()
+
+    def fence(self, trainer: Trainer) -> None:
+        if self.beat is not None:
+            self.beat.renew()
+
+    def stepped(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        if self.beat is not None:
+            self.beat.progress.update(step=record["step"], tokens=record["tokens"], loss=record["loss"])
+
+    def committed(self, trainer: Trainer, step: int) -> None:
+        if self.beat is not None:
+            self.beat.progress["committed_step"] = step
+
+    def interrupted(self, trainer: Trainer, step: int, signal_name: str) -> None:
+        with trainer.stop.lock:
+            self.lease.finish("open", step=step, committed_step=step, handed_off_by=signal_name)
+
+    def finished(self, trainer: Trainer) -> None:
+        self.close()
+        with trainer.stop.lock:
+            self.lease.finish("done", step=trainer.step, tokens=trainer.tokens, loss=trainer.loss)
+
+    def close(self) -> None:
+        if self.beat is not None:
+            self.beat.done.set()
+
+    def state(self) -> dict[str, Any]:
+        return {"generation": self.lease.generation}
+
+    def postfix(self) -> dict[str, str]:
+        return {"lease": f"{self.lease.time_left():.0f}s"}
+
+
+def freeze_shared(model: torch.nn.Module, family, num_layers: int) -> int:
+    """FlexOlmo's anchoring: only the path's experts (the dense MLP of each layer) keep gradients;
+    attention, embeddings, norms and head are frozen, so they stay bitwise the base's. Returns
+    the number of trainable parameters."""
+    own = {family.dense_mlp(layer, part) for layer in range(num_layers) for part in PARTS}
+    named = dict(model.named_parameters())
+    missing = own - named.keys()
+    if missing:
+        raise ConfigurationError(f"--freeze shared: the path has no parameter {sorted(missing)[0]}: its checkpoint does not match the {family.name} family")
+    for name, p in named.items():
+        p.requires_grad_(name in own)
+    return sum(p.numel() for name, p in named.items() if name in own)
+
+
+def train(
+    run: Run,
+    path_id: str,
+    mode: Mode,
+    dataset: str,
+    cfg: TrainConfig,
+    lease: Lease | None,
+    *,
+    show_progress: bool = True,
+    rewards: list[str] | None = None,
+    init: Literal["base", "final"] = "base",
+) -> dict[str, Any]:
+    """Train a unit to cfg.steps, resuming from its newest checkpoint of this job (mode, dataset,
+    freeze); returns the summary. `rewards` (grpo): `NAME[=WEIGHT]` or `module:function[=WEIGHT]`.
+    `init`: start from the unit cut from base/, or from its `final/` (a stage after another)."""
+    with torch.enable_grad():  # whatever the caller's global grad mode
+        return _train(run, path_id, mode, dataset, cfg, lease, show_progress, list(rewards or ["math_answer"]), init)
+
+
+def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, lease: Lease | None, show_progress: bool, rewards: list[str], init: str) -> dict[str, Any]:
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from paths.work.rewards import load_reward
+    from sharding.dataset import PathDataset, dataset_manifest, path_entry
+
+    if mode not in ("lm", "sft", "grpo"):
+        raise ConfigurationError(f"--mode {mode!r} is not a training mode: use lm, sft or grpo")
+    if init not in ("base", "final"):
+        raise ConfigurationError(f"--init must be base or final, got {init!r}")
+    reward_fns = [load_reward(r) for r in rewards] if mode == "grpo" else []
+    hf_logging.disable_progress_bar()
+    cuda = torch.cuda.is_available()
+    precision = {"auto": "bf16" if cuda else "no", "bf16": "bf16", "fp32": "no"}[cfg.precision]
+    acc = Accelerator(mixed_precision=precision, cpu=not cuda)
+    if not acc.is_main_process:
+        run.store.read_only = True  # only rank 0 writes to the run
+    shard_id = data_id(run, path_id, dataset_manifest(run, dataset))  # a domain expert may read its domain's shard
+    manifest, entry = path_entry(run, dataset, shard_id)
+    if mode == "lm" and entry["train_tokens"] < 2:
+        raise ConfigurationError(f"dataset {dataset!r} has no training tokens for path {path_id}: route data to it or pick another path")
+    if mode in ("sft", "grpo") and manifest.get("data_kind") != "prompts":
+        raise ConfigurationError(f"--mode {mode} needs a prompt dataset: shard {dataset!r} with --kind prompts --answer-field ANSWER")
+
+    local = tempfile.mkdtemp(prefix=f"paths-train-{path_id}-")
+    try:
+        start_dir = os.path.join(local, "init")
+        if init == "final":
+            previous_stage = fetch_final(run, path_id, start_dir)
+        else:
+            (materialize_expert if is_expert(run, path_id) else materialize)(run, path_id, start_dir)
+            previous_stage = None
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(start_dir)
+        if cfg.freeze == "shared":
+            from paths.base import require_base
+            from paths.families import get_family
+
+            freeze_shared(model, get_family(require_base(run)["base"]["family"]), model.config.num_hidden_layers)
+        common = dict(seed=cfg.seed, batch_size=cfg.batch_size, rank=acc.process_index, world_size=acc.num_processes)
+        if mode == "lm":
+            data = PathDataset(run, dataset, shard_id, cfg.seq_len, **common)
+            step = LMStep(cfg)
+        elif mode == "sft":
+            from paths.work.sft_data import SFTDataset
+
+            data = SFTDataset(run, dataset, shard_id, cfg.seq_len, tokenizer, **common)
+            step = LMStep(cfg)
+        else:
+            from paths.work.grpo import GRPOStep, check_prompts
+            from paths.work.sft_data import PromptDataset
+
+            data = PromptDataset(run, dataset, shard_id, cfg.seq_len, **common)
+            check_prompts(data.records, reward_fns, dataset)
+            ref = AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32).eval() if cfg.beta > 0 else None
+            step = GRPOStep(cfg, data.records, reward_fns, tokenizer, ref)
+        callbacks: list[Callback] = [LeaseKeeper(lease)] if lease is not None and acc.is_main_process else []
+        trainer = Trainer(
+            run, path_id, {"mode": mode, "dataset": dataset, "freeze": cfg.freeze}, cfg, model, step,
+            ShardBatches(data, cfg.batch_size, cfg.seed, cfg.num_workers), acc,
+            callbacks=[*callbacks, Signals()], show_progress=show_progress, resume_hint="`paths claim && paths train` (the path was handed back)",
+        )
+        result = trainer.fit()
+        summary = {"path": path_id, "mode": mode, "freeze": cfg.freeze, "steps": result.step, "tokens": result.tokens, "final_loss": result.loss, "resumed_from": result.resumed_from, "init": init}
+        # anchored: every shared tensor is still the base's (this stage froze them, and so did the one before)
+        summary["anchored"] = cfg.freeze == "shared" and (previous_stage is None or bool(previous_stage.get("anchored")))
+        if previous_stage is not None:
+            summary["previous_stage"] = previous_stage
+        final = trainer.finish(lambda fence: _write_final(run, path_id, trainer.unwrapped, tokenizer, local, cfg, mode, dataset, manifest, summary, fence))
+        if final is not None:
+            summary["final"] = final
+        return summary
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
+def _write_final(run, path_id, model, tokenizer, local, cfg, mode, dataset, manifest, summary, fence) -> str:
+    """work/<path>/final/: the trained dense path (HF format) and its provenance, manifest last."""
+    out = os.path.join(local, "final")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    for identity in ("path.json", "expert.json"):  # what the unit is: a path of the plan, or a domain expert
+        if os.path.exists(os.path.join(local, "init", identity)):
+            shutil.copy(os.path.join(local, "init", identity), os.path.join(out, identity))
+    provenance = {
+        **summary, "config": cfg.to_json(), "dataset": dataset,
+        "data_manifest_sha256": sha256_hex(json.dumps(manifest["files"], sort_keys=True).encode()),
+        "finished_at": time.time(),
+    }
+    with open(os.path.join(out, "provenance.json"), "w") as f:
+        json.dump(provenance, f, indent=2, sort_keys=True)
+    writer = ArtifactWriter(run.store, run.final(path_id))
+    for name in sorted(os.listdir(out)):
+        writer.upload(name, os.path.join(out, name))
+    fence()
+    writer.commit(kind="final", path=path_id, steps=summary["steps"], tokens=summary["tokens"], final_loss=summary["final_loss"])
+    return run.store.url_of(run.final(path_id))
