@@ -5,6 +5,7 @@ equals the reference on CUDA (marked gpu)."""
 
 from __future__ import annotations
 
+import json
 
 import pytest
 import torch
@@ -110,6 +111,75 @@ def test_finetune_resumes_exactly_after_a_crash(composed, monkeypatch):
     a = load_file(composed.store.path("composed/straight/model.safetensors"))
     b = load_file(composed.store.path("composed/resumed/model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _metrics(run, unit: str) -> list[dict]:
+    return [json.loads(line) for line in run.store.read(f"work/{unit}/metrics.jsonl").decode().splitlines()]
+
+
+def test_finetune_metrics_after_a_resume_equal_an_undisturbed_run(composed, monkeypatch):
+    """The one trainer reloads metrics on resume: every step once, each the same as without a crash."""
+    from paths import checkpoint
+
+    cfg = load_config(sets=FT, steps=6, checkpoint_every=2)
+    finetune_moe(composed, "btx", "mix", "m-straight", cfg, backend="reference", show_progress=False)
+    real = checkpoint.prune
+    calls = []
+
+    def crash(*a, **k):
+        real(*a, **k)
+        calls.append(1)
+        if len(calls) == 2:  # after the checkpoint at step 4
+            raise KeyboardInterrupt("killed after a checkpoint")
+
+    monkeypatch.setattr(checkpoint, "prune", crash)
+    with pytest.raises(KeyboardInterrupt):
+        finetune_moe(composed, "btx", "mix", "m-resumed", cfg, backend="reference", show_progress=False)
+    monkeypatch.setattr(checkpoint, "prune", real)
+    assert finetune_moe(composed, "btx", "mix", "m-resumed", cfg, backend="reference", show_progress=False)["resumed_from"] == 4
+    straight, resumed = _metrics(composed, "moe-m-straight"), _metrics(composed, "moe-m-resumed")
+    assert [m["step"] for m in resumed] == list(range(1, 7))
+    for a, b in zip(straight, resumed):
+        assert {k: a[k] for k in ("step", "loss", "aux_loss", "lr", "tokens")} == {k: b[k] for k in ("step", "loss", "aux_loss", "lr", "tokens")}
+    # tokens/s counts only what this process trained, since its loop started at t0: steps 5 and 6
+    # must agree on one t0 when tokens are counted from the resume (they would not counting all)
+    t4, m5, m6 = resumed[3], resumed[4], resumed[5]
+    t0_5 = m5["time"] - (m5["tokens"] - t4["tokens"]) / m5["tokens_per_s"]
+    t0_6 = m6["time"] - (m6["tokens"] - t4["tokens"]) / m6["tokens_per_s"]
+    assert abs(t0_5 - t0_6) < 0.005, (t0_5, t0_6)
+
+
+@pytest.mark.slow
+def test_finetune_sigterm_commits_a_checkpoint_and_a_rerun_resumes(composed, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from paths.trainer import read_metrics
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sets = [a for s in FT for a in ("--set", s)]
+    args = [sys.executable, "-m", "cli.main", "finetune-moe", composed.url, "--model", "composed:btx", "--dataset", "mix", "--out", "sig",
+            "--moe-backend", "reference", "--checkpoint-every", "2", "--no-progress", *sets]
+    env = {**os.environ, "PATHS_HOME": str(tmp_path / "home")}
+    proc = subprocess.Popen([*args, "--steps", "100000"], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not composed.store.exists("work/moe-sig/ckpt-2/COMMITTED"):
+        assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() is not None else "timed out"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "stopped by SIGTERM" in err, err
+    committed = max(s for s, c in composed.checkpoints("moe-sig") if c)
+    assert committed >= 2 and not composed.store.exists("composed/sig/manifest.json")
+    assert [m["step"] for m in read_metrics(composed, "moe-sig")] == list(range(1, committed + 1))
+    done = subprocess.run([*args, "--steps", str(committed + 2)], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    record = json.loads(composed.store.read("composed/sig/compose.json"))
+    assert record["resumed_from"] == committed and record["steps"] == committed + 2
+    assert [m["step"] for m in read_metrics(composed, "moe-sig")] == list(range(1, committed + 3))
 
 
 def test_finetune_bad_input(composed):
