@@ -123,6 +123,7 @@ def main() -> None:
         print(f"  {k:9s} {s:7.2f} s   peak RSS {rss / 2**20:7.0f} MiB")
     print(f"ours / mergekit-moe: time {row['time_vs_mergekit']:.2f}x (goal <= 0.5), peak RSS {row['rss_vs_mergekit']:.2f}x (goal <= 0.5)")
     print(f"ours / cp of the bytes read: time {row['time_vs_cp']:.2f}x (goal <= 1.5)")
+    os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "out", "compose.jsonl"), "a") as f:
         f.write(json.dumps({"at": time.time(), **row}) + "\n")
 

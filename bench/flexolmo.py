@@ -128,6 +128,7 @@ def main() -> None:
     seconds = round(time.perf_counter() - t_start, 1)
     print(f"\n(public model: {args.public_steps} steps, loss {public_train['p00']['loss']:.3f}; {seconds}s in all)")
     print(f"reproduce: .venv/bin/python bench/flexolmo.py --preset {args.preset} --public-steps {args.public_steps} --steps {args.steps} --lr {args.lr}")
+    os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "out", "flexolmo.jsonl"), "a") as f:
         f.write(json.dumps({"at": time.time(), "args": vars(args), "public": public_train, "results": results, "seconds": seconds}) + "\n")
 

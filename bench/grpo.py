@@ -133,6 +133,7 @@ def main() -> None:
     print(f"paths train --mode grpo  {row['completions_per_s_ours']:8.1f} completions/s  {a.steps / results['ours']['seconds']:.3f} steps/s  peak RSS {results['ours']['rss'] / 2**20:.0f} MiB")
     print(f"TRL GRPOTrainer          {row['completions_per_s_trl']:8.1f} completions/s  {a.steps / results['trl']['seconds']:.3f} steps/s  peak RSS {results['trl']['rss'] / 2**20:.0f} MiB")
     print(f"ratio ours / TRL: {row['ratio']:.2f}x throughput (goal >= 1.5), {row['rss_ratio']:.2f}x peak RSS")
+    os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "out", "grpo.jsonl"), "a") as f:
         f.write(json.dumps({"at": time.time(), **row}) + "\n")
 

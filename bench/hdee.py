@@ -98,6 +98,7 @@ def main() -> None:
     print("\nexperts: " + "; ".join(f"{n} {t['parameters'] / 1e6:.2f}M x {t['steps']} steps" for n, t in trained.items()))
     seconds = round(time.perf_counter() - t_start, 1)
     print(f"({seconds}s in all)\nreproduce: .venv/bin/python bench/hdee.py --preset {args.preset} --steps {args.steps} --lr {args.lr}")
+    os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "out", "hdee.jsonl"), "a") as f:
         f.write(json.dumps({"at": time.time(), "args": vars(args), "experts": trained, "compute": compute, "table": table, "seconds": seconds}) + "\n")
 

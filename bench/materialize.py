@@ -148,6 +148,7 @@ def main() -> None:
     for f in (sample + ".copy", sample + ".s3copy"):
         if os.path.exists(f):
             os.remove(f)
+    os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "out", "materialize.jsonl"), "a") as f:
         for row in rows:
             f.write(json.dumps({**row, "command": cmd, "time": time.time()}) + "\n")

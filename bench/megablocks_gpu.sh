@@ -18,5 +18,5 @@ $PY -m pip install -q -e ".[dev]" "torch==$TORCH"
 # megablocks' wheel pins its own torch; build it against ours instead
 $PY -m pip install -q --no-build-isolation --no-deps "megablocks>=0.10" stanford-stk grouped_gemm || {
     echo "megablocks did not build against torch $TORCH"; exit 1; }
-timeout 300 $PY -m pytest -q -m gpu tests/compose/test_finetune_moe.py
+timeout 300 $PY -m pytest -q -m gpu tests/experts/test_moe.py
 timeout 300 $PY bench/moe_speed.py --preset dipaco-16x16-150m

@@ -74,6 +74,7 @@ def main() -> None:
         print(f"  {k:13s} {r:12,.0f} tok/s   {r / rates['transformers']:.2f}x transformers' MoE")
     print(f"reproduce: .venv/bin/python bench/moe_speed.py --preset {args.preset} --batch {args.batch} --seq-len {args.seq_len} --steps {args.steps}")
     os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
+    os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "out", "moe_speed.jsonl"), "a") as f:
         f.write(json.dumps({"at": time.time(), "args": vars(args), "device": device_name, "tokens_per_s": rates}) + "\n")
 

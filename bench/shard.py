@@ -245,6 +245,7 @@ def main() -> None:
     print(f"read, local folder {results['read_local_ours_s']:>12,.0f} smp/s   StreamingDataset {results['read_local_mds_s']:>11,.0f} smp/s   ratio {results['read_local_ratio']:.2f} (goal >= 1)")
     print(f"read, SeaweedFS    {results['read_s3_ours_s']:>12,.0f} smp/s   StreamingDataset {results['read_s3_mds_s']:>11,.0f} smp/s   ratio {results['read_s3_ratio']:.2f} (goal >= 1)")
     print(f"({results['read_samples']:,} windows of {args.seq_len + 1} tokens, one epoch, shuffled)")
+    os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "out", "shard.jsonl"), "a") as f:
         f.write(json.dumps({"at": time.time(), **results}) + "\n")
 

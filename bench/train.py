@@ -191,6 +191,7 @@ def main() -> None:
     print(f"paths train, the step loop alone (from metrics.jsonl)                {result['ours_loop_tok_s']:>9,.0f} tok/s   ratio {result['loop_ratio']:.2f}")
     print(f"checkpoint: {result['checkpoint_s']:.3f} s, {result['checkpoint_bytes']:,} bytes")
     print(f"claims on SeaweedFS, 16 claimers, {result['paths']} paths: p50 {result['claim_p50_ms']:.1f} ms, p99 {result['claim_p99_ms']:.1f} ms")
+    os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "out", "train.jsonl"), "a") as f:
         f.write(json.dumps({"at": time.time(), **result}) + "\n")
 

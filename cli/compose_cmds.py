@@ -42,7 +42,7 @@ def compose(run: str, into: str, name: str, select: str | None, outer_lr: float,
     from paths.errors import ConfigurationError
     from storage.layout import open_run
 
-    def ids(text):
+    def ids(text: str):
         return [p.strip() for p in text.split(",") if p.strip()] if text is not None else None
 
     if into == "ensemble":
@@ -70,9 +70,9 @@ def compose(run: str, into: str, name: str, select: str | None, outer_lr: float,
     record = execute(r, plan)
     touched = len(record["tensors"])
     click.echo(f"composed {len(record['paths'])} paths into {run}/composed/{name} ({touched} tensors updated) in {record['seconds']}s")
-    removed = record["excluded"]["removed_experts"]
+    click.echo(f"shared tensors: {record['shared']}")
     if record["excluded"]["paths"]:
-        click.echo(f"left out {','.join(record['excluded']['paths'])}: removed experts {removed} per layer")
+        click.echo(_opted_out(record["excluded"]))
 
 
 @click.command("eval")
@@ -83,7 +83,7 @@ def compose(run: str, into: str, name: str, select: str | None, outer_lr: float,
 @click.option("--seq-len", default=256, show_default=True, help="Window length for perplexity.")
 @click.option("--max-tokens", default=50_000, show_default=True, help="Tokens scored per path shard at most.")
 @click.option("--json", "json_out", is_flag=True)
-def evaluate(run, dataset, models, split, seq_len, max_tokens, json_out) -> None:
+def evaluate(run: str, dataset: str, models: tuple[str, ...], split: str, seq_len: int, max_tokens: int, json_out: bool) -> None:
     """Score models on every path shard of a dataset; a table here, JSON in eval/ of the run."""
     from cli.render import as_json, render_eval
     from compose.evaluate import evaluate as do
@@ -123,7 +123,7 @@ def next_round(run: str, source: str) -> None:
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override one training setting (repeatable).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing composed/OUT/.")
 @click.option("--no-progress", is_flag=True)
-def finetune_moe(run, source, dataset, out, what, steps, aux_loss, moe_backend, checkpoint_every, config_file, sets, overwrite, no_progress) -> None:
+def finetune_moe(run: str, source: str, dataset: str, out: str | None, what: str, steps: int | None, aux_loss: float, moe_backend: str, checkpoint_every: int | None, config_file: str | None, sets: tuple[str, ...], overwrite: bool, no_progress: bool) -> None:
     """Fine-tune a composed MoE's routing (Branch-Train-MiX) on data mixed from every path."""
     from compose.finetune import finetune_moe as do
     from paths.train_config import load_config
@@ -145,3 +145,12 @@ def _composed_name(source: str, option: str) -> str:
         return parse_model(source, kinds=("composed",), option=option).name
     except ConfigurationError:
         raise click.BadParameter(f"{source!r}: use composed:NAME", param_hint=option) from None
+
+
+def _opted_out(excluded: dict) -> str:
+    """`left out p02: experts [2] removed from every layer (3 left)`, or per layer where they differ."""
+    removed, kept = excluded["removed_experts"], excluded["experts_kept"] or {}
+    left = f" ({len(next(iter(kept.values())))} left)" if kept else ""
+    if len({str(r) for r in removed.values()}) == 1:
+        return f"left out {', '.join(excluded['paths'])}: experts {next(iter(removed.values()))} removed from every layer{left}"
+    return f"left out {', '.join(excluded['paths'])}: experts removed per layer {removed}{left}"

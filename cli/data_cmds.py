@@ -8,11 +8,16 @@ import click
 
 from cli.render import render_dataset
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
+
 run_arg = click.argument("run", envvar="PATHS_RUN")
 FORMATS = click.Choice(["auto", "jsonl", "parquet", "text"])
 
 
-def _fields_options(f):
+def _fields_options(f: Any):
     for option in reversed([
         click.option("--format", "fmt", type=FORMATS, default="auto", show_default=True, help="Input format; auto: by file name (.jsonl[.gz|.zst], .parquet, else text: one document per file)."),
         click.option("--text-field", default="text", show_default=True, help="Record field holding the document (the prompt, for --kind prompts)."),
@@ -46,7 +51,7 @@ def _fields_options(f):
 @click.option("--seed", default=0, show_default=True, help="Seed of the k-means fit.")
 @click.option("--overwrite", is_flag=True, help="Replace a dataset (and the router it made) written with other options.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest's summary as JSON.")
-def shard(run, dataset, inputs, fmt, text_field, id_field, domain_field, on_error, answer_field, kind, router, targets, router_name, domain_map, features_model, prefix_tokens, fit_sample, balance, slack, holdout, workers, limit, seed, overwrite, as_json) -> None:
+def shard(run: str, dataset: str, inputs: tuple[str, ...], fmt: str, text_field: str, id_field: str | None, domain_field: str | None, on_error: str, answer_field: str | None, kind: str, router: str, targets: str, router_name: str | None, domain_map: str | None, features_model: str | None, prefix_tokens: int, fit_sample: int, balance, slack: float, holdout: float, workers: int, limit: int | None, seed: int, overwrite: bool, as_json: bool) -> None:
     """Route documents to paths and write data/DATASET/<path>.zarr, manifest last."""
     from sharding.shard import ShardOptions, shard as do
     from storage.layout import open_run
@@ -69,7 +74,7 @@ def shard(run, dataset, inputs, fmt, text_field, id_field, domain_field, on_erro
 @_fields_options
 @click.option("--top", default=1, show_default=True, help="Also list the best N paths with their scores.")
 @click.option("--out", type=click.File("w"), default="-", help="Output JSONL (default: stdout).")
-def route(run, router_name, inputs, fmt, text_field, id_field, domain_field, on_error, top, out) -> None:
+def route(run: str, router_name: str, inputs: tuple[str, ...], fmt: str, text_field: str, id_field: str | None, domain_field: str | None, on_error: str, top: int, out: str) -> None:
     """Route new documents with a saved router: JSONL in, JSONL with path ids out."""
     from sharding.inputs import Fields
     from sharding.route import route as do

@@ -24,7 +24,7 @@ def expert() -> None:
 @click.option("--steps", type=int, help="Its step budget: what `paths train` runs when given no --steps.")
 @click.option("--seed", default=0, show_default=True, help="--preset: initialisation seed.")
 @click.option("--overwrite", is_flag=True, help="Replace an expert of that name.")
-def add(run, name, domain, from_dir, preset, branch_from, steps, seed, overwrite) -> None:
+def add(run: str, name: str, domain: str, from_dir: str | None, preset: str | None, branch_from: str | None, steps: int | None, seed: int, overwrite: bool) -> None:
     """Register a domain expert in experts/NAME/."""
     from experts.domain import add_expert
     from storage.layout import open_run
@@ -38,7 +38,7 @@ def add(run, name, domain, from_dir, preset, branch_from, steps, seed, overwrite
 @expert.command("ls")
 @run_arg
 @click.option("--json", "json_out", is_flag=True)
-def ls(run, json_out) -> None:
+def ls(run: str, json_out: bool) -> None:
     """The registered experts: domain, size, step budget, whether trained."""
     from paths.units import list_experts
     from storage.layout import open_run

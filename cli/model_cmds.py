@@ -17,7 +17,7 @@ run_arg = click.argument("run", envvar="PATHS_RUN")
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(file_okay=False), help="A tokenizer folder; default: one shipped with --from, else a byte-level BPE trained on local text.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random initialisation.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and parameter counts; write nothing.")
-def init(run: str, preset, config_file, from_dir, tokenizer_dir, seed: int, dry_run: bool) -> None:
+def init(run: str, preset: str | None, config_file: str | None, from_dir: str | None, tokenizer_dir: str | None, seed: int, dry_run: bool) -> None:
     """Create a run holding an MoE base model (base/, tokenizer/, run.json)."""
     from paths.prepare.init import init_plan, init_run
 
@@ -37,7 +37,7 @@ def init(run: str, preset, config_file, from_dir, tokenizer_dir, seed: int, dry_
 @click.option("--noise", default=0.0, show_default=True, help="Gaussian noise added to each expert copy, as a fraction of the weight's std.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(file_okay=False))
-def upcycle(run: str, from_dir: str, experts: int, top_k: int, noise: float, seed: int, tokenizer_dir) -> None:
+def upcycle(run: str, from_dir: str, experts: int, top_k: int, noise: float, seed: int, tokenizer_dir: str | None) -> None:
     """Sparse upcycling: an MoE whose experts all start as the dense model's MLP."""
     from paths.prepare.init import upcycle as do
 
@@ -49,7 +49,7 @@ def upcycle(run: str, from_dir: str, experts: int, top_k: int, noise: float, see
 @run_arg
 @click.option("--levels", type=int, help="Show this number of levels instead of the run's plan.")
 @click.option("--json", "as_json_", is_flag=True)
-def plan(run: str, levels, as_json_: bool) -> None:
+def plan(run: str, levels: int | None, as_json_: bool) -> None:
     """Levels, layers per level, number of paths and parameters per path."""
     from paths.prepare.decompose import describe
     from storage.layout import open_run

@@ -1,21 +1,24 @@
-"""`paths quickstart`: run the main job on the embedded default and show each stage."""
+"""`paths quickstart`: run the main job on the embedded default and show each stage.
+
+The scenarios are data (cli/scenarios.py): each stage's command line is run through the `paths`
+click app itself, so what is printed is what ran, and the worker loop is `paths claim` and
+`paths train`, the same commands a worker runs.
+"""
 
 from __future__ import annotations
 
+import shlex
 import time
+from typing import Any
 
 import click
 
 from cli import scenarios
-from cli.render import render, render_dataset, render_plan
-from paths.errors import IntegrityError
-from storage.admin import VerifyReport
+from cli.render import render
+from paths.errors import PathsError
 
-
-SCENARIOS = {
-    "main": (scenarios.stages, scenarios.DEFAULT_ROOT),
-    "flexolmo": (scenarios.flexolmo_stages, scenarios.FLEX_ROOT),
-}
+SCENARIOS = {"main": (scenarios.main_scenario, scenarios.DEFAULT_ROOT), "flexolmo": (scenarios.flexolmo_scenario, scenarios.FLEX_ROOT)}
+NOTHING_TO_CLAIM = 3
 
 
 @click.command()
@@ -23,28 +26,56 @@ SCENARIOS = {
               help="main: decompose, shard, train, GRPO, compose, eval; flexolmo: anchored domain experts and opt-out; all: each in turn.")
 @click.option("--root", help="Folder (or s3:// URL) of the quickstart run (default: runs/quickstart[-SCENARIO]).")
 def quickstart(scenario: str, root: str | None) -> None:
-    """Create a run on a local folder and walk it through every stage that exists."""
+    """Create a run on a local folder and walk it through every stage, command by command."""
     start = time.perf_counter()
     for name in SCENARIOS if scenario == "all" else [scenario]:
-        stages, default_root = SCENARIOS[name]
+        make, default_root = SCENARIOS[name]
         if scenario == "all":
             click.secho(f"\n=== scenario {name} ===", bold=True)
         suffix = f"-{name}" if scenario == "all" and name != "main" else ""
-        _walk(stages, root + suffix if root else default_root)
+        walk(make(root + suffix if root else default_root))
     click.echo(f"\nquickstart done in {time.perf_counter() - start:.1f}s")
 
 
-def _walk(stages, root: str) -> None:
-    for title, step in stages(root):
-        click.secho(f"\n$ {title}", bold=True)
-        result = step()
-        if isinstance(result, dict) and "parameters_per_path" in result:
-            click.echo(render_plan(result))
-        elif isinstance(result, dict) and result.get("kind") == "dataset":
-            click.echo(render_dataset({**result, "paths": {p: c for p, c in result["paths"].items() if c["train_docs"] + c["heldout_docs"]}}))
-        elif isinstance(result, dict) and "bytes_written" in result:
-            click.echo(f"{result['bytes_written']:,} bytes of tensors written, {result['tensor_bytes_read']:,} read from base/ in {result['seconds']}s")
+def walk(scenario: scenarios.Scenario) -> None:
+    """Run every stage in order, printing its command line, then what it printed."""
+    for stage in scenario.stages:
+        click.secho(f"\n$ {scenarios.title(stage)}", bold=True)
+        if isinstance(stage, scenarios.Command):
+            reason = stage.unless() if stage.unless else None
+            if reason:
+                click.echo(reason)
+                continue
+            run_paths(stage.line())
+            if stage.note and not stage.note.startswith("("):
+                click.echo(f"({stage.note})")
+        elif isinstance(stage, scenarios.WorkerLoop):
+            trained = 0
+            while run_paths(stage.claim, allow=(NOTHING_TO_CLAIM,)) != NOTHING_TO_CLAIM:
+                run_paths(stage.train)
+                trained += 1
+            click.echo("nothing left to claim (exit 3)" if trained else "everything is already trained (nothing to claim: exit 3)")
+        elif isinstance(stage, scenarios.ForEach):
+            for label, unit in stage.items.items():
+                if run_paths(stage.claim(unit), allow=(NOTHING_TO_CLAIM,)) == NOTHING_TO_CLAIM:
+                    click.echo(f"{label}: already trained")
+                    continue
+                run_paths(stage.train)
         else:
+            result: Any = stage.fn()
             click.echo(result if isinstance(result, str) else render(result))
-        if isinstance(result, VerifyReport) and not result.ok:
-            raise IntegrityError(f"verify found {len(result.problems)} problems in {root}")
+
+
+def run_paths(argv: list[str], allow: tuple[int, ...] = ()) -> int:
+    """`paths ARGV` through the click app in this process (the root of the running command); its
+    exit code (0, or one of `allow`), else the quickstart stops with the command named (its own
+    error line is printed above)."""
+    app = click.get_current_context().find_root().command
+    try:
+        code = app.main(args=list(argv), prog_name="paths", standalone_mode=False)
+    except SystemExit as exc:
+        code = exc.code
+    code = code if isinstance(code, int) else 0
+    if code and code not in allow:
+        raise PathsError(f"quickstart stopped: `paths {shlex.join(argv)}` exited {code}")
+    return code

@@ -130,7 +130,7 @@ def render_dataset(manifest: dict[str, Any], json_out: bool = False) -> str:
     }
     if json_out:
         return as_json(summary)
-    rows = [[p, c["train_docs"], c["train_tokens"], c["heldout_docs"], c["heldout_tokens"]] for p, c in sorted(paths.items())]
+    rows = [[p, c["train_docs"], c["train_tokens"], c["heldout_docs"], c["heldout_tokens"]] for p, c in sorted(paths.items()) if c["train_docs"] + c["heldout_docs"]]
     head = (
         f"dataset {manifest['dataset']} ({manifest['data_kind']}): {manifest['documents']:,} documents, "
         f"{manifest['tokens']:,} tokens from {len(manifest['inputs'])} inputs; router {manifest['router']['kind']}"
@@ -138,6 +138,8 @@ def render_dataset(manifest: dict[str, Any], json_out: bool = False) -> str:
     )
     skipped = summary["skipped"]
     tail = "skipped: " + ", ".join(f"{k} {v}" for k, v in skipped.items() if v) if any(skipped.values()) else "skipped: none"
+    empty = len(paths) - len(rows)
+    tail += f"; {empty} paths got no documents" if empty else ""
     return "\n".join([head, table(["path", "docs", "tokens", "heldout docs", "heldout tokens"], rows), tail])
 
 
@@ -170,6 +172,7 @@ def render_eval(result: dict[str, Any]) -> str:
     """Models x path shards (+ overall) of one `paths eval`."""
     cols = result["shards"] + ["overall"]
     rows = [[model] + [f"{row[c]:.3f}" for c in cols] for model, row in result["table"].items()]
+    cols = [result.get("labels", {}).get(c, c) for c in cols]  # domain:path where the data was routed by domain
     head = f"{result['metric']} on {result['dataset']} ({result['split']}; lower is better)" if result["metric"] == "perplexity" else f"{result['metric']} on {result['dataset']} ({result['split']})"
     return head + "\n" + table(["model"] + cols, rows)
 

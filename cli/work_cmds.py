@@ -6,6 +6,11 @@ import click
 
 from cli.render import as_json, render_status
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
+
 run_arg = click.argument("run", envvar="PATHS_RUN")
 
 
@@ -14,7 +19,7 @@ run_arg = click.argument("run", envvar="PATHS_RUN")
 @click.option("--path", "path_id", help="Claim this path or domain expert only (default: any claimable one).")
 @click.option("--ttl", default=600.0, show_default=True, help="Lease length in seconds; `paths train` renews it.")
 @click.option("--worker", help="Worker name recorded in the claim (default: hostname-<random>).")
-def claim(run: str, path_id, ttl: float, worker) -> None:
+def claim(run: str, path_id: str | None, ttl: float, worker: str | None) -> None:
     """Claim a path through the store; prints its id. Exit 3 when nothing is left to claim."""
     from paths.units import units
     from paths.work.claims import claim as do, save_local
@@ -58,7 +63,7 @@ def claim(run: str, path_id, ttl: float, worker) -> None:
 @click.option("--loss", type=click.Choice(["grpo", "bnpo", "dr_grpo", "dapo"]), help="grpo: loss normalisation (TRL's definitions).")
 @click.option("--scale-rewards", type=click.Choice(["group", "batch", "none"]), help="grpo: advantage scaling.")
 @click.option("--iterations", type=int, help="grpo: optimizer steps per rollout.")
-def train(run, path_id, mode, dataset, steps, checkpoint_every, config_file, sets, no_progress, init, rewards, **grpo) -> None:
+def train(run: str | None, path_id: str | None, mode: str, dataset: str, steps: int | None, checkpoint_every: int | None, config_file: str | None, sets: tuple[str, ...], no_progress: bool, init: str, rewards: tuple[str, ...], **grpo: Any) -> None:
     """Train the claimed path, renewing its lease; checkpoints and exact resume."""
     from paths.work.claims import claimed_run, lease_for_rank
     from paths.work.train import train as do

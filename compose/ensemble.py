@@ -60,7 +60,7 @@ def _fetch_member(run: Run, spec: str, out: str) -> tuple[str, dict[str, Any]]:
     return ref.name, {"final_checksum": sha256_hex(json.dumps(manifest["files"], sort_keys=True).encode())}
 
 
-def _same_tokenizer(ours, members: dict[str, str]) -> None:
+def _same_tokenizer(ours: Any, members: dict[str, str]) -> None:
     """Refuse members whose tokenizer differs from the run's (`ours`), naming them."""
     from transformers import AutoTokenizer
 

@@ -19,13 +19,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from paths.errors import ConfigurationError
+from paths.errors import ConfigurationError, NotFound
 from paths.models import load_model
 from storage.layout import Run
+from storage.manifest import read_verified
 
 
 @torch.no_grad()
-def perplexity(model, tokens: np.ndarray, seq_len: int, batch: int = 8) -> tuple[float, int]:
+def perplexity(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, batch: int = 8) -> tuple[float, int]:
     """(summed negative log-likelihood, number of predicted tokens) over windows of the stream."""
     starts = list(range(0, max(0, len(tokens) - 1), seq_len))
     nll, count = 0.0, 0
@@ -71,6 +72,20 @@ def evaluate(run: Run, dataset: str, models: list[str], *, split: str = "heldout
             row["overall"] = math.exp(total_nll / max(1, total_n)) if not prompts else sum(row.values()) / len(row)
             table[spec] = row
             del model
-    result = {"dataset": dataset, "split": split, "metric": metric, "seq_len": seq_len, "max_tokens": max_tokens, "shards": shards, "table": table, "at": time.time()}
+    labels = _domain_labels(run, manifest, shards)
+    result = {"dataset": dataset, "split": split, "metric": metric, "seq_len": seq_len, "max_tokens": max_tokens, "shards": shards, "labels": labels, "table": table, "at": time.time()}
     run.store.write(f"eval/{dataset}/{int(result['at'])}.json", json.dumps(result, indent=2).encode())
     return result
+
+
+def _domain_labels(run: Run, manifest: dict[str, Any], shards: list[str]) -> dict[str, str]:
+    """{shard: "domain:shard"} for a dataset routed by domain onto paths (what each column is)."""
+    router = manifest.get("router") or {}
+    if router.get("kind") != "domain" or not router.get("name"):
+        return {}
+    try:
+        body = json.loads(read_verified(run.store, run.router(router["name"]), "router.json"))
+    except NotFound:
+        return {}
+    domains = (body.get("options") or {}).get("domain_map") or {}
+    return {p: f"{d}:{p}" for d, p in sorted(domains.items()) if p in shards and d != p}

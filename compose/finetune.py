@@ -25,6 +25,11 @@ from paths.train_config import TrainConfig
 from storage.layout import Run
 from storage.manifest import install
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Callable
+
 
 class MoEStep(LMStep):
     """The lm step plus the Switch load-balancing loss of the patched MoE blocks (`found`)."""
@@ -116,7 +121,7 @@ def finetune_moe(
             "steps": result.step, "resumed_from": result.resumed_from, "tokens": result.tokens, "final_loss": result.loss, "shards": shards, "config": cfg.to_json(), "at": time.time(),
         }
 
-        def commit(fence) -> None:
+        def commit(fence: Callable[[], None]) -> None:
             staged = os.path.join(scratch, "out")
             trainer.unwrapped.save_pretrained(staged)
             AutoTokenizer.from_pretrained(folder).save_pretrained(staged)

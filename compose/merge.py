@@ -27,16 +27,21 @@ from typing import Any
 
 import torch
 
-from compose.plan import ComposePlan, OptOut, Router, Sources, Weighting, plan_compose
+from compose.plan import ComposePlan, OptOut, Sources, plan_compose
 from paths.models import DTYPES, load_tensor
 from storage.layout import Run
 from storage.manifest import install, read_manifest, read_verified
 from storage.safetensors_io import TensorEntry, header_bytes
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from paths.families import Family
+
 AHEAD = 2  # tensors merged ahead of the one being written
 
 
-def merged(run: Run, family, base: TensorEntry, sources: Sources | dict[int, Sources], outer_lr: float, momentum: float, m_prev: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, list[str]]:
+def merged(run: Run, family: Family, base: TensorEntry, sources: Sources | dict[int, Sources], outer_lr: float, momentum: float, m_prev: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, list[str]]:
     """(new tensor, new momentum or None, contributing paths) of one base tensor from its planned
     sources (`compose.plan.tensor_sources`). With outer_lr 1 and no momentum, a tensor (or expert
     slice) that one path contributed is that path's value, exactly."""
@@ -76,7 +81,7 @@ def merged(run: Run, family, base: TensorEntry, sources: Sources | dict[int, Sou
     return (base_t.float() + outer_lr * update).to(out_dtype), (m if momentum > 0 else None), touched
 
 
-def _value(run: Run, entry) -> torch.Tensor:
+def _value(run: Run, entry: TensorEntry) -> torch.Tensor:
     """A path's tensor (gate and up rows concatenated for a fused gate_up slice)."""
     return torch.cat([load_tensor(run, x) for x in entry]) if isinstance(entry, tuple) else load_tensor(run, entry)
 
@@ -95,32 +100,14 @@ def _mean_delta(run: Run, base_f: torch.Tensor, sources: Sources) -> tuple[torch
     return total.div_(weight), [t.path for t, _ in sources]
 
 
-def compose_moe(
-    run: Run,
-    name: str,
-    *,
-    paths: list[str] | None = None,
-    outer_lr: float = 1.0,
-    momentum: float = 0.0,
-    weighting: Weighting = "uniform",
-    previous: str | None = None,
-    dtype: str | None = None,
-    overwrite: bool = False,
-    router: Router = "keep",
-    router_data: str | None = None,
-    router_docs: int = 64,
-    exclude: list[str] | None = None,
-    include: list[str] | None = None,
-) -> dict[str, Any]:
-    """Write composed/<name>/ (HF MoE checkpoint + compose.json); returns compose.json.
-    `router="centroid"` re-initialises the routers from `router_data` (a documents dataset) through
-    the composed model; `"domain-embed"` from each path's own trained model on a sample of its
-    documents (FlexOlmo). `exclude` / `include`: opt-out, the excluded paths' experts are removed.
-    Plans first (`compose.plan.plan_compose`: every check), then `execute`s the plan."""
-    return execute(run, plan_compose(
-        run, name, paths=paths, outer_lr=outer_lr, momentum=momentum, weighting=weighting, previous=previous, dtype=dtype, overwrite=overwrite,
-        router=router, router_data=router_data, router_docs=router_docs, exclude=exclude, include=include,
-    ))
+def compose_moe(run: Run, name: str, **options: Any) -> dict[str, Any]:
+    """Write composed/<name>/ (HF MoE checkpoint + compose.json); returns compose.json. The options
+    are `compose.plan.plan_compose`'s: paths, outer_lr, momentum, weighting, previous, dtype,
+    overwrite; `router="centroid"` re-initialises the routers from `router_data` (a documents
+    dataset) through the composed model, `"domain-embed"` from each path's own trained model on a
+    sample of its documents (FlexOlmo); `exclude` / `include`: opt-out, the excluded paths' experts
+    are removed. Plans first (every check), then `execute`s the plan."""
+    return execute(run, plan_compose(run, name, **options))
 
 
 def execute(run: Run, plan: ComposePlan) -> dict[str, Any]:
@@ -224,7 +211,7 @@ def _record(plan: ComposePlan, routed: Any, contributors: dict[str, list[str]], 
     }
 
 
-def _config_files(run: Run, base_files, family, out: OptOut, out_dtype, dtype: str | None, weight_map: dict[str, str]) -> dict[str, bytes]:
+def _config_files(run: Run, base_files: list[str], family: Family, out: OptOut, out_dtype: torch.dtype | None, dtype: str | None, weight_map: dict[str, str]) -> dict[str, bytes]:
     """config.json (dtype, expert count) and the shard index, where they change."""
     changed: dict[str, bytes] = {}
     if out_dtype is not None or out.active:
@@ -247,7 +234,7 @@ def _config_files(run: Run, base_files, family, out: OptOut, out_dtype, dtype: s
 WRITEBACK = 64 << 20
 
 
-def _start_writeback(f, flushed: int, pool: ThreadPoolExecutor) -> int:
+def _start_writeback(f: Any, flushed: int, pool: ThreadPoolExecutor) -> int:
     """Every 64 MiB written, have a background thread ask the kernel to write those pages to disk
     now, so the fsync before the file is moved into place finds little left (writing overlaps
     merging); the pages leave the cache, which nothing reads again."""

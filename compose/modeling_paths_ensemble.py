@@ -30,11 +30,16 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
+
 
 class PathsEnsembleConfig(PretrainedConfig):
     model_type = "paths_ensemble"
 
-    def __init__(self, members=None, mix="posterior", prior=None, vocab_size=None, router=None, **kwargs):
+    def __init__(self, members: list[str]=None, mix: str="posterior", prior: Any=None, vocab_size: int=None, router: Any=None, **kwargs: Any):
         self.members = list(members or [])
         self.mix = mix
         self.prior = list(prior) if prior is not None else None
@@ -55,12 +60,12 @@ class PathsEnsembleForCausalLM(PreTrainedModel):
         self.router_model = None
         self.register_buffer("centroids", torch.zeros(0), persistent=False)
 
-    def _init_weights(self, module):  # members arrive trained
+    def _init_weights(self, module: torch.nn.Module):  # members arrive trained
         pass
 
     # -- loading ------------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
+    def from_pretrained(cls, pretrained_model_name_or_path: str, *model_args: Any, config: dict[str, Any]=None, **kwargs: Any):
         folder = str(pretrained_model_name_or_path)
         if not os.path.isdir(folder):
             from huggingface_hub import snapshot_download
@@ -94,11 +99,11 @@ class PathsEnsembleForCausalLM(PreTrainedModel):
         return True
 
     # -- the mixture --------------------------------------------------------------------------
-    def _cache_name(self, member) -> str:
+    def _cache_name(self, member: str) -> str:
         params = inspect.signature(member.forward).parameters
         return "cache" if "cache" in params else "past_key_values"
 
-    def _member_step(self, member, input_ids, attention_mask, position_ids, cache, use_cache: bool):
+    def _member_step(self, member: str, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, cache: Any, use_cache: bool):
         """(log-probs (B, T, V) over the shared vocabulary, the member's new cache)."""
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "use_cache": use_cache}
         if cache is not None:
@@ -112,12 +117,12 @@ class PathsEnsembleForCausalLM(PreTrainedModel):
                 new_cache = out.get("past_key_values")
         return torch.log_softmax(logits, dim=-1), new_cache
 
-    def _log_prior(self, device) -> torch.Tensor:
+    def _log_prior(self, device: torch.device | str | None) -> torch.Tensor:
         J = len(self.members)
         prior = torch.tensor(self.config.prior, dtype=torch.float64) if self.config.prior else torch.full((J,), 1.0 / J, dtype=torch.float64)
         return prior.clamp_min(1e-30).log().float().to(device)  # (J,)
 
-    def _route(self, input_ids, attention_mask) -> torch.Tensor:
+    def _route(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """(B,) the member the saved router picks from each sequence's first tokens (DiPaCo)."""
         r = self.config.router
         t = int(r["prefix_tokens"])
@@ -161,7 +166,7 @@ class PathsEnsembleForCausalLM(PreTrainedModel):
         prior = self._log_prior(log_lik.device).view(J, *([1] * (log_lik.dim() - 1)))
         return torch.log_softmax(prior + log_lik, dim=0)
 
-    def _prefix(self, input_ids, attention_mask, use_cache: bool = False):
+    def _prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, use_cache: bool = False):
         """Every member over the sequence: (log-probs (J, B, T, V), log-likelihood of each token
         given the ones before (J, B, T-1; padding and the first token count 0), the router's
         choice or None, the members' caches)."""
@@ -180,7 +185,7 @@ class PathsEnsembleForCausalLM(PreTrainedModel):
         """(J, B, T): each member's log-likelihood of the prefix x_<=t."""
         return torch.cat([torch.zeros_like(tok[..., :1]), tok.cumsum(-1)], dim=-1)
 
-    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+    def forward(self, input_ids: torch.Tensor=None, attention_mask: torch.Tensor | None=None, labels: torch.Tensor | None=None, **kwargs: Any):
         lp, tok, route, _ = self._prefix(input_ids, attention_mask)  # lp: (J, B, T, V)
         w = self._weights(self._cumulative(tok), route)
         mixed = torch.logsumexp(lp + w.unsqueeze(-1), dim=0)  # (B, T, V) log-probabilities
@@ -189,15 +194,15 @@ class PathsEnsembleForCausalLM(PreTrainedModel):
             loss = torch.nn.functional.nll_loss(mixed[:, :-1].reshape(-1, mixed.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
         return CausalLMOutput(loss=loss, logits=mixed)
 
-    def mixture_weights(self, input_ids, attention_mask=None) -> torch.Tensor:
+    def mixture_weights(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None=None) -> torch.Tensor:
         """(B, T, J): each member's weight at each position."""
         _, tok, route, _ = self._prefix(input_ids, attention_mask)
         return self._weights(self._cumulative(tok), route).exp().permute(1, 2, 0)
 
     # -- decoding -----------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, input_ids=None, attention_mask=None, max_new_tokens=20, do_sample=False, temperature=1.0, top_p=1.0,
-                 eos_token_id=None, pad_token_id=None, generator=None, **kwargs):
+    def generate(self, input_ids: torch.Tensor=None, attention_mask: torch.Tensor | None=None, max_new_tokens: int=20, do_sample: bool=False, temperature: float=1.0, top_p: float=1.0,
+                 eos_token_id: int | None=None, pad_token_id: int | None=None, generator: torch.Generator | None=None, **kwargs: Any):
         """Decode from the mixture: greedy, or sampling with temperature / top_p; each member keeps
         its own KV cache, and the posterior is updated with every token. Returns (B, T + new)."""
         unknown = set(kwargs) - {"use_cache", "return_dict_in_generate", "output_scores", "num_beams", "synced_gpus"}
@@ -230,7 +235,7 @@ class PathsEnsembleForCausalLM(PreTrainedModel):
         return out
 
     @staticmethod
-    def _pick(logp: torch.Tensor, do_sample: bool, temperature: float, top_p: float, generator) -> torch.Tensor:
+    def _pick(logp: torch.Tensor, do_sample: bool, temperature: float, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
         if not do_sample:
             return logp.argmax(-1)
         probs = torch.softmax(logp / max(temperature, 1e-6), dim=-1)
@@ -242,7 +247,7 @@ class PathsEnsembleForCausalLM(PreTrainedModel):
         return torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=generator).squeeze(-1)
 
 
-def write_config(folder: str, **fields) -> None:
+def write_config(folder: str, **fields: Any) -> None:
     """config.json with the auto_map that points transformers at this file."""
     config = PathsEnsembleConfig(**fields)
     config.auto_map = {"AutoConfig": "modeling_paths_ensemble.PathsEnsembleConfig", "AutoModelForCausalLM": "modeling_paths_ensemble.PathsEnsembleForCausalLM"}

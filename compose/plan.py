@@ -22,6 +22,12 @@ from storage.layout import Run
 from storage.manifest import read_manifest, read_verified, sha256_hex
 from storage.safetensors_io import OutTensor, TensorEntry, read_header
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from paths.families import Family
+    from paths.plan import Plan
+
 NAMES = {v: k for k, v in DTYPES.items()}
 Weighting = Literal["uniform", "tokens"]
 Router = Literal["keep", "centroid", "domain-embed"]
@@ -61,7 +67,7 @@ def trained_path(run: Run, pid: str, base_checksum: str, weighting: Weighting) -
     return Trained(pid, info["experts"], weight, tensors, sha256_hex(json.dumps(manifest["files"], sort_keys=True).encode()), bool(provenance.get("anchored")))
 
 
-def _sources(family, name: str, trained: list[Trained]) -> list[tuple[Trained, str]]:
+def _sources(family: Family, name: str, trained: list[Trained]) -> list[tuple[Trained, str]]:
     """(path, its tensor name) for each path containing base tensor `name`."""
     role = family.classify(name)
     if role.kind == "router":
@@ -82,7 +88,7 @@ def _check_shape(run: Run, t: Trained, dense: str, shape: tuple[int, ...]) -> Te
     return entry
 
 
-def _fused_sources(family, role, e: int, trained: list[Trained], shape, run: Run):
+def _fused_sources(family: Family, role: Any, e: int, trained: list[Trained], shape: tuple[int, ...], run: Run):
     out = []
     for t in trained:
         if t.experts[role.layer] != e:
@@ -113,7 +119,7 @@ class OptOut:
         return {old: new for new, old in enumerate(self.keep[layer])}
 
 
-def opt_out(plan, trained_ids: list[str], excluded: list[str], top_k: int) -> OptOut:
+def opt_out(plan: Plan, trained_ids: list[str], excluded: list[str], top_k: int) -> OptOut:
     """Which experts to remove so that no excluded path's expert can be selected; an expert an
     included path also trained stays (with only the included paths' deltas)."""
     E = plan.num_experts
@@ -133,7 +139,7 @@ def opt_out(plan, trained_ids: list[str], excluded: list[str], top_k: int) -> Op
     return OptOut(excluded, removed, [[e for e in range(E) if e not in r] for r in removed])
 
 
-def selection(run: Run, plan, paths: list[str] | None, include: list[str] | None, exclude: list[str] | None) -> tuple[list[str], list[str]]:
+def selection(run: Run, plan: Plan, paths: list[str] | None, include: list[str] | None, exclude: list[str] | None) -> tuple[list[str], list[str]]:
     """(paths to compose, paths opted out)."""
     if include is not None and (paths or exclude):
         raise ConfigurationError("--include names the paths to keep; it does not go with --paths or --exclude")
@@ -149,7 +155,7 @@ def selection(run: Run, plan, paths: list[str] | None, include: list[str] | None
     return chosen, excluded
 
 
-def out_tensor(family, entry: TensorEntry, out: OptOut, out_dtype: torch.dtype | None) -> OutTensor | None:
+def out_tensor(family: Family, entry: TensorEntry, out: OptOut, out_dtype: torch.dtype | None) -> OutTensor | None:
     """The output tensor a base tensor becomes: None when its expert is removed, renamed when the
     experts after a removed one move down, router and fused tensors with fewer rows."""
     dtype = NAMES[out_dtype] if out_dtype else entry.dtype
@@ -180,7 +186,7 @@ def _nbytes(entry: TensorEntry, out_dtype: torch.dtype | None) -> int:
 Sources = list[tuple[Trained, Any]]  # (path, its tensor entry, or (gate, up) entries of a fused slice)
 
 
-def tensor_sources(run: Run, family, entry: TensorEntry, trained: list[Trained]) -> Sources | dict[int, Sources]:
+def tensor_sources(run: Run, family: Family, entry: TensorEntry, trained: list[Trained]) -> Sources | dict[int, Sources]:
     """Where a base tensor's new value comes from: the paths containing it (shapes checked), or
     for a fused [E, ...] tensor, the paths of each expert slice."""
     role = family.classify(entry.name)

@@ -21,9 +21,15 @@ from paths.errors import ConfigurationError
 from paths.families import fill
 from storage.layout import Run
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from paths.families import Family
+    from paths.plan import Plan
+
 
 @torch.no_grad()
-def centroid_rows(run: Run, folder: str, family, plan, dataset: str, max_docs: int = 64, max_tokens: int = 256, paths: list[str] | None = None, keep: list[list[int]] | None = None) -> tuple[dict[int, torch.Tensor], dict[str, int]]:
+def centroid_rows(run: Run, folder: str, family: Family, plan: Plan, dataset: str, max_docs: int = 64, max_tokens: int = 256, paths: list[str] | None = None, keep: list[list[int]] | None = None) -> tuple[dict[int, torch.Tensor], dict[str, int]]:
     """{layer: router weight (E, H)} from the model in `folder`, and documents used per path
     (`paths`: only these; `keep[l]`: the model's experts of layer l by old id, after an opt-out)."""
     from transformers import AutoModelForCausalLM
@@ -43,7 +49,7 @@ def centroid_rows(run: Run, folder: str, family, plan, dataset: str, max_docs: i
     current: dict[str, Any] = {}
 
     def hook(layer: int):
-        def capture(module, args, output):
+        def capture(module: torch.nn.Module, args: Any, output: Any):
             h = args[0].reshape(-1, args[0].shape[-1]).double()  # (T, H): the tokens entering the block
             e = index[layer][current["experts"][layer]]
             sums[layer][e] += h.sum(0)
@@ -97,7 +103,7 @@ def _rows(weight: torch.Tensor, sums: torch.Tensor, counts: torch.Tensor, genera
     return w.float()
 
 
-def base_router_rows(run: Run, family, plan) -> dict[int, torch.Tensor]:
+def base_router_rows(run: Run, family: Family, plan: Plan) -> dict[int, torch.Tensor]:
     """{layer: the base's router weight (E, H)}, read by ranged reads."""
     from paths.models import load_tensor
     from paths.base import base_tensors
@@ -110,7 +116,7 @@ def base_router_rows(run: Run, family, plan) -> dict[int, torch.Tensor]:
 
 
 @torch.no_grad()
-def domain_embed_rows(run: Run, family, plan, paths: list[str], dataset: str, base_rows: dict[int, torch.Tensor], max_docs: int = 64, max_tokens: int = 256) -> tuple[dict[int, torch.Tensor], dict[str, int]]:
+def domain_embed_rows(run: Run, family: Family, plan: Plan, paths: list[str], dataset: str, base_rows: dict[int, torch.Tensor], max_docs: int = 64, max_tokens: int = 256) -> tuple[dict[int, torch.Tensor], dict[str, int]]:
     """FlexOlmo's router: row e of layer l is the mean hidden state entering layer l's MLP in the
     trained model of each path choosing e, over a sample of that path's documents."""
     import tempfile
@@ -137,7 +143,7 @@ def domain_embed_rows(run: Run, family, plan, paths: list[str], dataset: str, ba
             model, _, _ = load_model(run, f"path:{pid}", local, kinds=("path",))
 
         def hook(layer: int):
-            def capture(module, args):
+            def capture(module: torch.nn.Module, args: Any):
                 h = args[0].reshape(-1, args[0].shape[-1]).double()  # (T, H): the tokens entering the MLP
                 sums[layer][experts[layer]] += h.sum(0)
                 counts[layer][experts[layer]] += h.shape[0]
@@ -178,7 +184,7 @@ def patch_tensor(path: str, name: str, value: torch.Tensor) -> None:
         f.write(data)
 
 
-def apply_centroids(run: Run, folder: str, family, plan, dataset: str, weight_files: list[str], paths: list[str] | None = None, keep: list[list[int]] | None = None) -> dict[str, int]:
+def apply_centroids(run: Run, folder: str, family: Family, plan: Plan, dataset: str, weight_files: list[str], paths: list[str] | None = None, keep: list[list[int]] | None = None) -> dict[str, int]:
     """Compute the centroid routers from the composed model in `folder` and write them into its
     safetensors files; returns documents used per path."""
     from safetensors import safe_open

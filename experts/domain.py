@@ -141,7 +141,7 @@ def _from_preset(run: Run, preset: str, out: str, seed: int) -> dict[str, Any]:
     return {"kind": "preset", "preset": preset, "seed": seed}
 
 
-def _from_dir(name: str, folder: str, out: str, tokenizer) -> dict[str, Any]:
+def _from_dir(name: str, folder: str, out: str, tokenizer: Any) -> dict[str, Any]:
     """A dense HF causal LM folder; its tokenizer, if it ships one, must be the run's."""
     from transformers import AutoTokenizer
 

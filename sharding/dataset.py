@@ -18,15 +18,17 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
 import torch
 
-from paths.errors import ConfigurationError, IntegrityError, NotFound
+from paths.errors import ConfigurationError, IntegrityError, NotFound, PathsError
 from sharding.writer import array_names
 from storage.layout import Run, open_run
 from storage.manifest import read_manifest
+
+T = TypeVar("T")
 
 
 def dataset_manifest(run: Run, dataset: str) -> dict[str, Any]:
@@ -64,12 +66,30 @@ def open_group(run: Run, dataset: str, path_id: str, manifest: dict[str, Any]):
     return zarr.open_group(open_zarr_store(run, key, read_only=True), mode="r")
 
 
+def decoded(run: Run, dataset: str, path_id: str, read: Callable[[], T]) -> T:
+    """Run a read of a shard's arrays; a chunk that does not decode (corrupt bytes of the right
+    size, which the size check lets through) becomes one line naming the shard and the fix."""
+    try:
+        return read()
+    except PathsError:
+        raise
+    except (RuntimeError, ValueError, TypeError, OSError) as exc:
+        if isinstance(exc, (FileNotFoundError, ConnectionError, TimeoutError)):
+            raise
+        where = run.store.url_of(run.shard(dataset, path_id))
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise IntegrityError(
+            f"{where}: a chunk does not decode ({detail}): the shard is corrupt; find it with `paths storage verify {run.url}`, "
+            "then restore it or re-run `paths shard ... --overwrite`"
+        ) from None
+
+
 def read_documents(run: Run, dataset: str, path_id: str, split: str = "train") -> list[np.ndarray]:
     """Every document of a path's split as token arrays (EOS included)."""
     manifest, _ = path_entry(run, dataset, path_id)
     group = open_group(run, dataset, path_id, manifest)
     vname, oname = array_names("tokens", split)
-    tokens, offsets = group[vname][:], group[oname][:]
+    tokens, offsets = decoded(run, dataset, path_id, lambda: (group[vname][:], group[oname][:]))
     return [tokens[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
 
 
@@ -77,7 +97,7 @@ def read_tokens(run: Run, dataset: str, path_id: str, split: str = "train", limi
     """A path's token stream (documents concatenated), only its first `limit` tokens read."""
     manifest, _ = path_entry(run, dataset, path_id)
     tokens = open_group(run, dataset, path_id, manifest)[array_names("tokens", split)[0]]
-    return np.asarray(tokens[: tokens.shape[0] if limit is None else limit])
+    return decoded(run, dataset, path_id, lambda: np.asarray(tokens[: tokens.shape[0] if limit is None else limit]))
 
 
 def read_prompts(run: Run, dataset: str, path_id: str, split: str = "train") -> list[dict[str, Any]]:
@@ -89,7 +109,7 @@ def read_prompts(run: Run, dataset: str, path_id: str, split: str = "train") -> 
     out: dict[str, list] = {}
     for name in ("prompt", "answer", "tokens"):
         vname, oname = array_names(name, split)
-        values, offsets = group[vname][:], group[oname][:]
+        values, offsets = decoded(run, dataset, path_id, lambda: (group[vname][:], group[oname][:]))
         pieces = [values[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
         out[name] = [p.tobytes().decode() for p in pieces] if name != "tokens" else [p.tolist() for p in pieces]
     return [{"prompt": p, "answer": a, "ids": t} for p, a, t in zip(out["prompt"], out["answer"], out["tokens"])]
@@ -184,7 +204,7 @@ class PathDataset(torch.utils.data.IterableDataset):
     def _read_block(self, block: int) -> np.ndarray:
         first = block * self.block * self.seq_len
         last = min(((block + 1) * self.block) * self.seq_len + 1, self.num_tokens)
-        return np.asarray(self._tokens()[first:last])
+        return decoded(self.run, self.dataset, self.path_id, lambda: np.asarray(self._tokens()[first:last]))
 
     def window(self, block_tokens: np.ndarray, block: int, w: int) -> dict[str, torch.Tensor]:
         """Window w (tokens from w * seq_len on) cut from its block's tokens."""
@@ -249,7 +269,7 @@ def _runs(positions: Iterator[tuple[int, int]], block: int) -> Iterator[tuple[in
         yield current, items
 
 
-def _submit(pool: ThreadPoolExecutor, runs, pending: deque, read) -> None:
+def _submit(pool: ThreadPoolExecutor, runs: Any, pending: deque, read: Callable[[], Any]) -> None:
     nxt = next(runs, None)
     if nxt is not None:
         block, items = nxt

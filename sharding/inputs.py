@@ -68,13 +68,13 @@ def expand(patterns: list[str], storage_options: dict[str, Any] | None = None) -
     """Every file the URLs and globs name, sorted and without duplicates; a pattern that matches
     nothing is an error that names it."""
     if not patterns:
-        raise ConfigurationError("no --input given: pass one or more files, globs or URLs")
+        raise ConfigurationError("no --input given: pass one or more files, globs or URLs, e.g. --input 'data/*.jsonl'")
     found: set[str] = set()
     for pattern in patterns:
         fs, _, paths = fsspec.get_fs_token_paths(pattern, storage_options=storage_options or {})
         files = [p for p in paths if not fs.isdir(p)]
         if not files:
-            raise NotFound(f"input {pattern} matches no file: check the path or glob")
+            raise NotFound(f"--input {pattern} matches no file: give existing JSONL, Parquet or text files, a quoted glob ('data/*.jsonl') or a URL (s3://bucket/data/*.jsonl)")
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
         found.update(p if protocol in ("file", "local") else f"{protocol}://{p}" for p in files)
     return sorted(found)
@@ -130,7 +130,7 @@ def _bad(kind: str, message: str, on_error: OnError, stats: ReadStats, where: st
     stats.skip(kind, where)
 
 
-def _jsonl_rows(url: str, opener, on_error: OnError, stats: ReadStats) -> Iterator[tuple[str, Any]]:
+def _jsonl_rows(url: str, opener: Any, on_error: OnError, stats: ReadStats) -> Iterator[tuple[str, Any]]:
     with opener as f:
         lines = f if hasattr(f, "readline") and not _is_zstd(f) else io.BufferedReader(f)
         for n, raw in enumerate(lines, 1):
@@ -153,11 +153,11 @@ def _jsonl_rows(url: str, opener, on_error: OnError, stats: ReadStats) -> Iterat
             yield where, row
 
 
-def _is_zstd(f) -> bool:
+def _is_zstd(f: Any) -> bool:
     return type(f).__module__.startswith("zstandard")  # its reader cannot iterate lines
 
 
-def _parquet_rows(url: str, opener, fields: Fields) -> Iterator[tuple[str, Any]]:
+def _parquet_rows(url: str, opener: Any, fields: Fields) -> Iterator[tuple[str, Any]]:
     import pyarrow.parquet as pq
 
     wanted = [c for c in (fields.text, fields.id, fields.domain, fields.answer) if c]
@@ -177,7 +177,7 @@ def _parquet_rows(url: str, opener, fields: Fields) -> Iterator[tuple[str, Any]]
                 yield f"{url}:row {n}", row
 
 
-def _text_rows(url: str, opener, on_error: OnError, stats: ReadStats) -> Iterator[tuple[str, Any]]:
+def _text_rows(url: str, opener: Any, on_error: OnError, stats: ReadStats) -> Iterator[tuple[str, Any]]:
     with opener as f:
         data = f.read()
     try:

@@ -43,7 +43,7 @@ def route(
     return counts
 
 
-def _batches(inputs, fmt, fields, on_error, stats, storage_options, size: int = 1024) -> Iterator[list]:
+def _batches(inputs: list[str], fmt: str, fields: Any, on_error: str, stats: dict[str, Any], storage_options: dict[str, Any] | None, size: int = 1024) -> Iterator[list]:
     batch = []
     for url in expand(inputs, storage_options):
         for record in read_records(url, fmt, fields, on_error, stats, storage_options):

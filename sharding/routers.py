@@ -199,7 +199,7 @@ class MoERouter(_ModelRouter):
 
 
 def _capture(store: dict[int, torch.Tensor], layer: int):
-    def hook(module, args, output):
+    def hook(module: torch.nn.Module, args: Any, output: Any):
         store[layer] = output[0] if isinstance(output, tuple) else output  # (B*T, E) logits
 
     return hook

@@ -37,6 +37,11 @@ from storage.layout import Run
 from storage.manifest import ArtifactWriter, read_manifest
 from storage.safetensors_io import read_header
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from paths.plan import Plan
+
 FORMAT_VERSION = 1
 STAGING = "_staging"
 TOP_K = 8
@@ -200,7 +205,7 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> str:
 
 
 # -- router --------------------------------------------------------------------------------------
-def _router(run: Run, opts: ShardOptions, plan, path_ids, files, tokenizer, storage_options, overwrite: bool) -> Router:
+def _router(run: Run, opts: ShardOptions, plan: Plan, path_ids: list[str], files: list[str], tokenizer: Any, storage_options: dict[str, Any] | None, overwrite: bool) -> Router:
     """Load the saved router, or fit and save a new one."""
     from sharding.routers import load_domain_map
 
@@ -232,7 +237,7 @@ def _fit_key(opts: ShardOptions) -> dict[str, Any]:
     return {k: getattr(opts, k) for k in keys}
 
 
-def _records(opts: ShardOptions, files: list[str], storage_options, limit: int | None):
+def _records(opts: ShardOptions, files: list[str], storage_options: dict[str, Any] | None, limit: int | None):
     stats = ReadStats()
     n = 0
     for url in files:
@@ -243,7 +248,7 @@ def _records(opts: ShardOptions, files: list[str], storage_options, limit: int |
             yield record
 
 
-def _tokenized(records, tokenizer, kind: Kind, batch: int = 1024) -> list[Doc]:
+def _tokenized(records: list[dict[str, Any]], tokenizer: Any, kind: Kind, batch: int = 1024) -> list[Doc]:
     out: list[Doc] = []
     chunk: list[Record] = []
     for record in records:
@@ -254,7 +259,7 @@ def _tokenized(records, tokenizer, kind: Kind, batch: int = 1024) -> list[Doc]:
     return out + (_encode(chunk, tokenizer, kind) if chunk else [])
 
 
-def _encode(records: list[Record], tokenizer, kind: Kind) -> list[Doc]:
+def _encode(records: list[Record], tokenizer: Any, kind: Kind) -> list[Doc]:
     """Batched fast tokenization; documents end in EOS, prompts do not (generation follows)."""
     ids = tokenizer([r.text for r in records], add_special_tokens=False)["input_ids"]
     eos = [tokenizer.eos_token_id] if kind == "documents" else []
@@ -266,7 +271,7 @@ def _part_key(run: Run, dataset: str, index: int) -> str:
     return f"{run.dataset(dataset)}/{STAGING}/part-{index:05d}.safetensors"
 
 
-def _stage_all(run, opts, router, files, tokenizer, fid, workers, storage_options, progress) -> list[str]:
+def _stage_all(run: Run, opts: ShardOptions, router: Any, files: list[str], tokenizer: Any, fid: str, workers: int, storage_options: dict[str, Any] | None, progress: Any) -> list[str]:
     keys = [_part_key(run, opts.dataset, i) for i in range(len(files))]
     todo = [i for i, k in enumerate(keys) if not _part_ok(run, k, fid)]
     for i in range(len(files)):
@@ -290,7 +295,7 @@ def _part_meta(run: Run, key: str) -> dict[str, str]:
     return read_header(run.store, key)[1]
 
 
-def stage_file(run: Run, opts: ShardOptions, router: Router, files: list[str], index: int, tokenizer, fid: str, storage_options, progress: Progress) -> None:
+def stage_file(run: Run, opts: ShardOptions, router: Router, files: list[str], index: int, tokenizer: Any, fid: str, storage_options: dict[str, Any] | None, progress: Progress) -> None:
     """Read, tokenize and route one input file into its staging part (one atomic write)."""
     from safetensors.numpy import save
 
@@ -329,7 +334,7 @@ def stage_file(run: Run, opts: ShardOptions, router: Router, files: list[str], i
     progress("file", 1)
 
 
-def _flat(chunks: list[list[int]], dtype) -> tuple[np.ndarray, np.ndarray]:
+def _flat(chunks: list[list[int]], dtype: str | None) -> tuple[np.ndarray, np.ndarray]:
     """Documents' values concatenated, and their lengths."""
     lengths = np.array([len(c) for c in chunks], dtype=np.int64)
     values = np.fromiter(itertools.chain.from_iterable(chunks), dtype=dtype, count=int(lengths.sum()))

@@ -26,6 +26,11 @@ from typing import Any
 
 import numpy as np
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from storage.store import Store
+
 FIELDS_DOCUMENTS = ("tokens",)
 FIELDS_PROMPTS = ("tokens", "prompt", "answer")
 SPLITS = ("train", "heldout")
@@ -121,12 +126,12 @@ def write_groups(jobs: list[tuple[PathBuffer, Any, dict[str, Any]]], chunk_token
     return sync(_write_groups(jobs, chunk_tokens, shard_tokens, concurrency))
 
 
-async def _write_groups(jobs, chunk_tokens: int, shard_tokens: int, concurrency: int) -> list[dict[str, int]]:
+async def _write_groups(jobs: int, chunk_tokens: int, shard_tokens: int, concurrency: int) -> list[dict[str, int]]:
     import zarr.api.asynchronous as za
 
     gate = asyncio.Semaphore(concurrency)
 
-    async def group(buffer: PathBuffer, store, attributes: dict[str, Any]) -> dict[str, int]:
+    async def group(buffer: PathBuffer, store: Store, attributes: dict[str, Any]) -> dict[str, int]:
         g = await za.open_group(store=store, mode="w", attributes=attributes)
         counts: dict[str, int] = {}
         arrays = []
@@ -145,7 +150,7 @@ async def _write_groups(jobs, chunk_tokens: int, shard_tokens: int, concurrency:
     return list(await asyncio.gather(*(group(*job) for job in jobs)))
 
 
-async def _write_array(group, gate: asyncio.Semaphore, name: str, values: np.ndarray, chunk: int, shard: int) -> None:
+async def _write_array(group: Any, gate: asyncio.Semaphore, name: str, values: np.ndarray, chunk: int, shard: int) -> None:
     from zarr.codecs import ZstdCodec
 
     n = len(values)

@@ -11,6 +11,11 @@ import zarr.storage
 
 from storage.layout import Run
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from storage.store import Store
+
 
 def storage_options(run: Run) -> dict[str, Any]:
     """The run's storage options, with the S3 endpoint from the environment if set there."""
@@ -32,11 +37,11 @@ def open_zarr_store(run: Run, key: str, read_only: bool):
 class HashingStore(zarr.storage.WrapperStore):
     """Every object written goes through sha256 on its way to the store: {key: entry}."""
 
-    def __init__(self, store, sink: dict[str, dict[str, Any]]):
+    def __init__(self, store: Store, sink: dict[str, dict[str, Any]]):
         super().__init__(store)
         self.sink = sink
 
-    async def set(self, key: str, value) -> None:
+    async def set(self, key: str, value: Any) -> None:
         data = value.to_bytes()
         digest = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
         await self._store.set(key, value)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import weakref
 from typing import Any
 
 from storage.errors import NotFound, PreconditionFailed, StorageError
@@ -30,7 +32,26 @@ def make_s3fs(storage_options: dict[str, Any]):
     # No listing cache: other workers write to the same bucket, so listings must be fresh.
     fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, **options)
     fs.retries = 1
+    _OPEN.add(fs)
     return fs
+
+
+_OPEN: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+@atexit.register
+def close_sessions() -> None:
+    """Close the aiohttp sessions of every s3fs filesystem we made (at exit, while fsspec's event
+    loop still runs), so nothing warns of an unclosed client session."""
+    for fs in list(_OPEN):
+        s3 = getattr(fs, "_s3", None)
+        if s3 is not None:
+            try:
+                type(fs).close_session(fs.loop, s3)
+            except Exception:  # noqa: BLE001 - shutting down: a session already gone is fine
+                pass
+            fs._s3 = None
+    _OPEN.clear()
 
 
 class S3Store(Store):

@@ -24,6 +24,11 @@ import torch
 from paths.errors import ConfigurationError, DataError
 from paths.work.rewards import Reward, score
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from paths.train_config import TrainConfig
+
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 Scale = Literal["group", "batch", "none"]
 
@@ -125,7 +130,7 @@ def _cache_argument(model_class: type) -> str:
 
 
 @torch.no_grad()
-def generate(model, ids_NP: torch.Tensor, mask_NP: torch.Tensor, max_new_tokens: int, temperature: float, top_p: float, eos_id: int, pad_id: int) -> torch.Tensor:
+def generate(model: torch.nn.Module, ids_NP: torch.Tensor, mask_NP: torch.Tensor, max_new_tokens: int, temperature: float, top_p: float, eos_id: int, pad_id: int) -> torch.Tensor:
     """Sampled completions (N, C) with a KV cache: one prefill, then one token per forward.
     A lean loop instead of `generate()`: for small models its per-token bookkeeping costs as much
     as the forward pass. Rows that produced EOS continue with padding."""
@@ -150,7 +155,7 @@ def generate(model, ids_NP: torch.Tensor, mask_NP: torch.Tensor, max_new_tokens:
 
 
 @torch.no_grad()
-def sample(model, prompts: list[list[int]], cfg, tokenizer) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+def sample(model: torch.nn.Module, prompts: list[list[int]], cfg: TrainConfig, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """G completions per prompt, batched: (prompt + completion ids, attention, P, completion mask)."""
     ids, mask = left_pad([p for p in prompts for _ in range(cfg.group_size)], tokenizer.pad_token_id)
     was_training = model.training
@@ -165,7 +170,7 @@ def sample(model, prompts: list[list[int]], cfg, tokenizer) -> tuple[torch.Tenso
     return out, attention, ids.shape[1], cmask
 
 
-def rollout(model, ref_model, records: list[dict[str, Any]], rewards: list[Reward], cfg, tokenizer) -> Rollout:
+def rollout(model: torch.nn.Module, ref_model: torch.nn.Module | None, records: list[dict[str, Any]], rewards: list[Reward], cfg: TrainConfig, tokenizer: Any) -> Rollout:
     """Sample, score and compute advantages (and old / reference log-probs when needed)."""
     t0 = time.perf_counter()
     ids, attention, p, cmask = sample(model, [r["ids"] for r in records], cfg, tokenizer)
@@ -191,7 +196,7 @@ def check_prompts(records: list[dict[str, Any]], rewards: list[Reward], dataset:
 
 
 # -- one optimizer step -----------------------------------------------------------------------------
-def grpo_backward(model, acc, ro: Rollout, cfg, micro_rows: list[slice]) -> dict[str, float]:
+def grpo_backward(model: torch.nn.Module, acc: Any, ro: Rollout, cfg: TrainConfig, micro_rows: list[slice]) -> dict[str, float]:
     """Loss and gradients of one rollout, micro-batch by micro-batch (sums to the step's loss)."""
     n = len(ro.advantages_N)
     tokens = int(ro.completion_mask_NC.sum())
@@ -222,13 +227,13 @@ def grpo_backward(model, acc, ro: Rollout, cfg, micro_rows: list[slice]) -> dict
 class GRPOStep:
     """The `paths train --mode grpo` step: a rollout every `iterations` optimizer steps."""
 
-    def __init__(self, cfg, records: list[dict[str, Any]], rewards: list[Reward], tokenizer, ref_model=None):
+    def __init__(self, cfg: TrainConfig, records: list[dict[str, Any]], rewards: list[Reward], tokenizer: Any, ref_model: torch.nn.Module | None=None):
         self.cfg, self.records, self.rewards, self.tokenizer, self.ref_model = cfg, records, rewards, tokenizer, ref_model
         self.current: Rollout | None = None
         self.used = 0
         self.checkpoint_multiple = cfg.iterations  # rollouts are not saved: checkpoint between them
 
-    def __call__(self, model, acc, it) -> dict[str, float]:
+    def __call__(self, model: torch.nn.Module, acc: Any, it: Any) -> dict[str, float]:
         if self.current is None or self.used == self.cfg.iterations:
             batches = [next(it) for _ in range(self.cfg.grad_accum)]
             chosen = [self.records[int(i)] for b in batches for i in b["index"]]
@@ -240,7 +245,7 @@ class GRPOStep:
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, records: list[dict[str, Any]], rewards: list[Reward], max_new_tokens: int, batch: int = 32) -> dict[str, float]:
+def evaluate(model: torch.nn.Module, tokenizer: Any, records: list[dict[str, Any]], rewards: list[Reward], max_new_tokens: int, batch: int = 32) -> dict[str, float]:
     """Mean of each reward (and their weighted sum) over greedy completions of the records."""
     was_training = model.training
     model.eval()

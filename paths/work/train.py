@@ -31,6 +31,12 @@ from paths.work.claims import Lease
 from storage.layout import Run
 from storage.manifest import ArtifactWriter, sha256_hex
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from paths.families import Family
+    from typing import Callable
+
 Mode = Literal["lm", "sft", "grpo"]
 
 
@@ -107,7 +113,7 @@ class LeaseKeeper(Callback):
         return {"lease": f"{self.lease.time_left():.0f}s"}
 
 
-def freeze_shared(model: torch.nn.Module, family, num_layers: int) -> int:
+def freeze_shared(model: torch.nn.Module, family: Family, num_layers: int) -> int:
     """FlexOlmo's anchoring: only the path's experts (the dense MLP of each layer) keep gradients;
     attention, embeddings, norms and head are frozen, so they stay bitwise the base's. Returns
     the number of trainable parameters."""
@@ -219,7 +225,7 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
         shutil.rmtree(local, ignore_errors=True)
 
 
-def _write_final(run, path_id, model, tokenizer, local, cfg, mode, dataset, manifest, summary, fence) -> str:
+def _write_final(run: Run, path_id: str, model: torch.nn.Module, tokenizer: Any, local: str, cfg: TrainConfig, mode: str, dataset: str, manifest: dict[str, Any], summary: dict[str, Any], fence: Callable[[], None]) -> str:
     """work/<path>/final/: the trained dense path (HF format) and its provenance, manifest last."""
     out = os.path.join(local, "final")
     model.save_pretrained(out)

@@ -95,3 +95,25 @@ def test_corrupt_chunk_is_rejected(dataset):
     os.remove(run.store.path(chunk.key))
     with pytest.raises(Exception, match="missing"):
         PathDataset(run, "d", path, 8, epochs=1).__iter__().__next__()
+
+
+def test_a_corrupt_chunk_met_while_training_is_one_line_naming_the_shard(dataset, tmp_path):
+    from click.testing import CliRunner
+
+    from cli.main import main
+    from paths.errors import IntegrityError
+    from sharding.dataset import read_tokens
+
+    run, path = dataset
+    for chunk in [o for o in run.store.list(f"data/d/{path}.zarr/tokens/c") if o.size > 100]:  # wherever training starts
+        data = bytearray(run.store.read(chunk.key))
+        data[len(data) // 3] ^= 0xFF
+        with open(run.store.path(chunk.key), "wb") as f:
+            f.write(bytes(data))
+    with pytest.raises(IntegrityError, match=rf"data/d/{path}.zarr: a chunk does not decode .*paths shard \.\.\. --overwrite"):
+        read_tokens(run, "d", path)
+    assert CliRunner().invoke(main, ["claim", run.url, "--path", path], env={"PATHS_HOME": str(tmp_path)}).exit_code == 0
+    result = CliRunner().invoke(main, ["train", run.url, "--dataset", "d", "--steps", "2", "--set", "seq_len=8", "--no-progress"], env={"PATHS_HOME": str(tmp_path)})
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and f"{path}.zarr: a chunk does not decode" in lines[0], result.output

@@ -26,7 +26,7 @@ from paths.train_config import load_config
 from sharding.shard import ShardOptions, shard
 from tests.sharding.conftest import docs, make_run, write_jsonl
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TINY = ["--set", "seq_len=32", "--set", "batch_size=4", "--set", "warmup_steps=2", "--no-progress"]
 
 
