@@ -21,19 +21,12 @@ run_arg = click.argument("run", envvar="PATHS_RUN")
 @click.option("--worker", help="Worker name recorded in the claim (default: hostname-<random>).")
 def claim(run: str, path_id: str | None, ttl: float, worker: str | None) -> None:
     """Claim a path through the store; prints its id. Exit 3 when nothing is left to claim."""
-    from paths.units import units
+    from paths.units import claimable
     from paths.work.claims import claim as do, save_local
-    from paths.errors import ConfigurationError
     from storage.layout import open_run
 
     r = open_run(run)
-    ids = units(r)
-    if not ids:
-        raise ConfigurationError(f"{run} has nothing to claim: decompose it (`paths decompose`) or register experts (`paths expert add`)")
-    if path_id is not None:
-        if path_id not in ids:
-            raise click.BadParameter(f"{path_id} is neither a decomposed path nor a registered expert of {run}", param_hint="--path")
-        ids = [path_id]
+    ids = claimable(r, path_id)
     lease = do(r, ids, ttl=ttl, worker=worker)
     where = save_local(lease)
     click.echo(lease.path)
@@ -65,20 +58,15 @@ def claim(run: str, path_id: str | None, ttl: float, worker: str | None) -> None
 @click.option("--iterations", type=int, help="grpo: optimizer steps per rollout.")
 def train(run: str | None, path_id: str | None, mode: str, dataset: str, steps: int | None, checkpoint_every: int | None, config_file: str | None, sets: tuple[str, ...], no_progress: bool, init: str, rewards: tuple[str, ...], **grpo: Any) -> None:
     """Train the claimed path, renewing its lease; checkpoints and exact resume."""
-    from paths.work.claims import claimed_run, lease_for_rank
-    from paths.work.train import train as do
     from paths.train_config import load_config
+    from paths.work.claims import claimed_run, lease_for_rank
+    from paths.work.train import train as do, unit_config
     from storage.layout import open_run
-
-    import dataclasses
-
-    from paths.units import step_budget
 
     cfg = load_config(config_file, sets, steps=steps, checkpoint_every=checkpoint_every, **grpo)  # bad settings fail first
     r = open_run(run or claimed_run())
     lease, path_id = lease_for_rank(r, path_id)
-    if steps is None and (budget := step_budget(r, path_id)):
-        cfg = dataclasses.replace(cfg, steps=budget)  # a domain expert's own budget
+    cfg = unit_config(r, path_id, cfg, steps_given=steps is not None)
     summary = do(r, path_id, mode, dataset, cfg, lease, show_progress=not no_progress, rewards=list(rewards), init=init)
     if "final" in summary:  # rank 0 (other ranks write nothing)
         click.echo(f"trained {summary['path']}: {summary['steps']} steps, {summary['tokens']:,} tokens, final loss {summary['final_loss']:.4f} -> {summary['final']}")

@@ -121,3 +121,15 @@ def composed_names(run: Run) -> list[str]:
 def default_eval_models(run: Run) -> list[str]:
     """What `paths eval` scores when no --model is given: the base and every composed model."""
     return ["base", *(f"composed:{n}" for n in composed_names(run))]
+
+
+def claimable(run: Run, only: str | None = None) -> list[str]:
+    """The units a worker may claim: every unit of the run, or just `only` (which must be one)."""
+    ids = units(run)
+    if not ids:
+        raise ConfigurationError(f"{run.url} has nothing to claim: decompose it (`paths decompose`) or register experts (`paths expert add`)")
+    if only is not None:
+        if only not in ids:
+            raise ConfigurationError(f"--path {only} is neither a decomposed path nor a registered expert of {run.url}: see `paths status {run.url}`")
+        return [only]
+    return ids

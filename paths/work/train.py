@@ -246,3 +246,13 @@ def _write_final(run: Run, path_id: str, model: torch.nn.Module, tokenizer: Any,
     fence()
     writer.commit(kind="final", path=path_id, steps=summary["steps"], tokens=summary["tokens"], final_loss=summary["final_loss"])
     return run.store.url_of(run.final(path_id))
+
+
+def unit_config(run: Run, unit: str, cfg: TrainConfig, steps_given: bool) -> TrainConfig:
+    """The config a unit trains with: a domain expert runs its own step budget unless --steps was given."""
+    import dataclasses
+
+    from paths.units import step_budget
+
+    budget = None if steps_given else step_budget(run, unit)
+    return dataclasses.replace(cfg, steps=budget) if budget else cfg
