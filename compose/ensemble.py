@@ -56,7 +56,7 @@ def _fetch_member(run: Run, spec: str, out: str) -> tuple[str, dict[str, Any]]:
         manifest = read_manifest(run.store, run.final(ref.name))
     except NotFound:
         raise ConfigurationError(f"member {ref.name} has no final/ in {run.url}: train it first (`paths claim {run.url} --path {ref.name} && paths train ...`) or leave it out") from None
-    shutil.move(resolve_model(run, ref, os.path.dirname(out), option="member").folder, out)
+    shutil.copytree(resolve_model(run, ref, os.path.dirname(out), option="member").folder, out)  # the cache stays whole
     return ref.name, {"final_checksum": sha256_hex(json.dumps(manifest["files"], sort_keys=True).encode())}
 
 

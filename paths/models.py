@@ -312,15 +312,21 @@ class Resolved:
 
 
 def resolve_model(run: Run, spec: str | ModelRef, scratch: str, kinds: tuple[str, ...] = MODEL_KINDS, option: str = "--model") -> Resolved:
-    """The one way from a model spec to a local folder. base and composed models are read in
-    place on a local run, else downloaded once (verified) into PATHS_HOME's cache; a trained path
-    or expert's final/ is downloaded (verified) into `scratch`; hf:DIR is used as it is."""
+    """The one way from a model spec to a local folder. On a remote store every artifact is
+    downloaded once (verified) into PATHS_HOME's cache, keyed by its manifest's hash; on a local
+    run base and composed models are read in place and a trained path or expert's final/ is
+    copied (verified) into `scratch`; hf:DIR is used as it is. The folder is read-only to callers."""
     ref = spec if isinstance(spec, ModelRef) else parse_model(spec, kinds, option)
     if ref.kind == "base":
         require_base(run)
         folder, tok = fetch_dir(run, run.base), fetch_dir(run, run.tokenizer)
+    elif ref.kind in ("path", "expert") and run.store.local_path(run.final(ref.name)) is None:
+        try:  # remote: downloaded once, verified, into the cache keyed by the manifest's hash
+            folder = tok = fetch_dir(run, run.final(ref.name))
+        except NotFound:
+            raise NotFound(f"{option} {ref.spec}: {ref.name} has no final/ in {run.url}: train it first (`paths claim && paths train`)") from None
     elif ref.kind in ("path", "expert"):
-        folder = tok = os.path.join(scratch, f"{ref.kind}-{ref.name}")
+        folder = tok = os.path.join(scratch, f"{ref.kind}-{ref.name}")  # local: a verified copy
         if not os.path.exists(os.path.join(folder, "provenance.json")):
             fetch_final(run, ref.name, folder)
     elif ref.kind == "composed":
