@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import click
 
 from cli.render import render_dataset
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from typing import Any
 
 run_arg = click.argument("run", envvar="PATHS_RUN")
 FORMATS = click.Choice(["auto", "jsonl", "parquet", "text"])
@@ -53,7 +49,8 @@ def _fields_options(f: Any):
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest's summary as JSON.")
 def shard(run: str, dataset: str, inputs: tuple[str, ...], fmt: str, text_field: str, id_field: str | None, domain_field: str | None, on_error: str, answer_field: str | None, kind: str, router: str, targets: str, router_name: str | None, domain_map: str | None, features_model: str | None, prefix_tokens: int, fit_sample: int, balance, slack: float, holdout: float, workers: int, limit: int | None, seed: int, overwrite: bool, as_json: bool) -> None:
     """Route documents to paths and write data/DATASET/<path>.zarr, manifest last."""
-    from sharding.shard import ShardOptions, shard as do
+    from sharding.shard import ShardOptions
+    from sharding.shard import shard as do
     from storage.layout import open_run
 
     opts = ShardOptions(

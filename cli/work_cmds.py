@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from cli.render import as_json, render_status
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from typing import Any
 
 run_arg = click.argument("run", envvar="PATHS_RUN")
 
@@ -22,7 +19,8 @@ run_arg = click.argument("run", envvar="PATHS_RUN")
 def claim(run: str, path_id: str | None, ttl: float, worker: str | None) -> None:
     """Claim a path through the store; prints its id. Exit 3 when nothing is left to claim."""
     from paths.units import claimable
-    from paths.work.claims import claim as do, save_local
+    from paths.work.claims import claim as do
+    from paths.work.claims import save_local
     from storage.layout import open_run
 
     r = open_run(run)
@@ -60,7 +58,8 @@ def train(run: str | None, path_id: str | None, mode: str, dataset: str, steps: 
     """Train the claimed path, renewing its lease; checkpoints and exact resume."""
     from paths.train_config import load_config
     from paths.work.claims import claimed_run, lease_for_rank
-    from paths.work.train import train as do, unit_config
+    from paths.work.train import train as do
+    from paths.work.train import unit_config
     from storage.layout import open_run
 
     cfg = load_config(config_file, sets, steps=steps, checkpoint_every=checkpoint_every, **grpo)  # bad settings fail first

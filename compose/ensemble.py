@@ -56,7 +56,11 @@ def _fetch_member(run: Run, spec: str, out: str) -> tuple[str, dict[str, Any]]:
         manifest = read_manifest(run.store, run.final(ref.name))
     except NotFound:
         raise ConfigurationError(f"member {ref.name} has no final/ in {run.url}: train it first (`paths claim {run.url} --path {ref.name} && paths train ...`) or leave it out") from None
-    shutil.copytree(resolve_model(run, ref, os.path.dirname(out), option="member").folder, out)  # the cache stays whole
+    folder = resolve_model(run, ref, os.path.dirname(out), option="member").folder
+    if os.path.dirname(folder) == os.path.dirname(out):  # our own verified copy: moved, not copied again
+        os.rename(folder, out)
+    else:  # the shared cache of a remote run stays whole
+        shutil.copytree(folder, out)
     return ref.name, {"final_checksum": sha256_hex(json.dumps(manifest["files"], sort_keys=True).encode())}
 
 

@@ -11,11 +11,11 @@ after another in turn (`RoundRobin`), so every step sees the paths' data mixed.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
-import json
 import time
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -24,8 +24,6 @@ from paths.steps import LMStep, RoundRobin, ShardBatches, micro_loss
 from paths.train_config import TrainConfig
 from storage.layout import Run
 from storage.manifest import install
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from typing import Callable

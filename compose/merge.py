@@ -23,7 +23,7 @@ import shutil
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,8 +32,6 @@ from paths.models import DTYPES, load_tensor
 from storage.layout import Run
 from storage.manifest import install, read_manifest, read_verified
 from storage.safetensors_io import TensorEntry, header_bytes
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from paths.families import Family
@@ -113,7 +111,8 @@ def compose_moe(run: Run, name: str, **options: Any) -> dict[str, Any]:
 def execute(run: Run, plan: ComposePlan) -> dict[str, Any]:
     """Stream a planned compose into a scratch folder, then install it as composed/<name>/: an
     existing one is replaced only once the new one is complete and committed (storage.manifest.install)."""
-    from safetensors.torch import load as st_load, save as st_save
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
 
     family, grid, dropped, out_dtype = plan.family, plan.plan, plan.dropped, plan.out_dtype
     m_prev: dict[str, torch.Tensor] = {}

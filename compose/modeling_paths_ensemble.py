@@ -24,16 +24,12 @@ import inspect
 import json
 import math
 import os
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from typing import Any
 
 
 class PathsEnsembleConfig(PretrainedConfig):

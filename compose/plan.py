@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -21,8 +21,6 @@ from paths.units import finished_paths
 from storage.layout import Run
 from storage.manifest import read_manifest, read_verified, sha256_hex
 from storage.safetensors_io import OutTensor, TensorEntry, read_header
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from paths.families import Family
@@ -213,8 +211,8 @@ class ComposePlan:
     prefix: str
     overwrite: bool
     replaces: bool  # an older composed/<name>/ exists (kept whole until the new one is complete)
-    family: Any
-    plan: Any
+    family: Family
+    plan: Plan
     base_checksum: str
     ids: list[str]
     excluded: list[str]
@@ -317,6 +315,8 @@ def plan_compose(
                 sources[e.name] = tensor_sources(run, family, e, trained)
         files.append(out)
     return ComposePlan(
-        name, prefix, overwrite, replaces, family, plan, meta["base"]["checksum"], ids, excluded, dropped, trained, outer_lr, momentum,
-        weighting, previous, dtype, out_dtype, router, router_data, router_docs, base_files, files, weight_map, sources,
+        name=name, prefix=prefix, overwrite=overwrite, replaces=replaces, family=family, plan=plan, base_checksum=meta["base"]["checksum"],
+        ids=ids, excluded=excluded, dropped=dropped, trained=trained, outer_lr=outer_lr, momentum=momentum, weighting=weighting,
+        previous=previous, dtype=dtype, out_dtype=out_dtype, router=router, router_data=router_data, router_docs=router_docs,
+        base_files=base_files, files=files, weight_map=weight_map, sources=sources,
     )

@@ -13,15 +13,13 @@ path out changes no other expert's row.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from paths.errors import ConfigurationError
 from paths.families import fill
 from storage.layout import Run
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from paths.families import Family
@@ -105,8 +103,8 @@ def _rows(weight: torch.Tensor, sums: torch.Tensor, counts: torch.Tensor, genera
 
 def base_router_rows(run: Run, family: Family, plan: Plan) -> dict[int, torch.Tensor]:
     """{layer: the base's router weight (E, H)}, read by ranged reads."""
-    from paths.models import load_tensor
     from paths.base import base_tensors
+    from paths.models import load_tensor
 
     names = {fill(family.router[layout], layer): layer for layer in range(plan.num_layers) for layout in ("disk", "memory")}
     out = {names[n]: load_tensor(run, e).float().clone() for n, e in base_tensors(run)[0].items() if n in names}

@@ -27,7 +27,7 @@ from paths.families import PARTS, Family
 from paths.tokenizer import load_tokenizer
 from paths.units import read_path, run_plan
 from storage.layout import Run
-from storage.manifest import read_manifest, read_verified, sha256_hex
+from storage.manifest import download, read_manifest, sha256_hex
 from storage.safetensors_io import OutTensor, TensorEntry, read_plan, read_ranges, write_streaming
 
 
@@ -109,9 +109,8 @@ def materialize(run: Run, path_id: str, out_dir: str) -> dict[str, Any]:
     dense_cfg["dtype"] = config.get("dtype", "float32")
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(dense_cfg, f, indent=2, sort_keys=True)
-    _copy_optional(run, "base", "generation_config.json", out_dir)
-    for name in read_manifest(run.store, run.tokenizer)["files"]:
-        _copy_optional(run, run.tokenizer, name, out_dir)
+    download(run.store, run.base, out_dir, lambda n: n if n == "generation_config.json" else None)
+    download(run.store, run.tokenizer, out_dir)
     with open(os.path.join(out_dir, "path.json"), "w") as f:
         json.dump(record, f, indent=2, sort_keys=True)
     return {
@@ -192,16 +191,11 @@ class _Checker:
         assert self._k == len(self.spanning) and self._chunk == len(self._plan), "every piece was read and checked"
 
 
-def _copy_optional(run: Run, prefix: str, name: str, out_dir: str) -> None:
-    if name in read_manifest(run.store, prefix)["files"]:
-        with open(os.path.join(out_dir, name), "wb") as f:
-            f.write(read_verified(run.store, prefix, name))
-
-
 def fetch_dir(run: Run, prefix: str) -> str:
     """A local folder holding a committed artifact (base/, tokenizer/, a checkpoint): the folder
     itself for a local run, else a verified download into a cache keyed by the manifest's hash."""
-    from storage.manifest import MANIFEST, read_verified
+    from storage.manifest import MANIFEST
+
     manifest = read_manifest(run.store, prefix)
     if (path := run.store.local_path(prefix)) is not None:
         return path
@@ -212,11 +206,7 @@ def fetch_dir(run: Run, prefix: str) -> str:
         return folder
     os.makedirs(os.path.dirname(folder), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".fetch-", dir=os.path.dirname(folder))
-    for name in manifest["files"]:
-        target = os.path.join(tmp, name)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        with open(target, "wb") as f:
-            f.write(read_verified(run.store, prefix, name))
+    manifest = download(run.store, prefix, tmp)
     with open(os.path.join(tmp, MANIFEST), "w") as f:
         json.dump(manifest, f)
     try:
@@ -248,30 +238,18 @@ def load_base_model(run: Run):
 
 def fetch_final(run: Run, path_id: str, out: str) -> dict[str, Any]:
     """Download work/<path>/final/ (checked against its manifest); its provenance."""
-    from storage.manifest import read_manifest, read_verified
-
-    try:
-        files = read_manifest(run.store, run.final(path_id))["files"]
-    except NotFound:
-        raise NotFound(f"path {path_id} has no final/ to start from in {run.url}: train it first, or use --init base") from None
-    os.makedirs(out, exist_ok=True)
-    for name in files:
-        with open(os.path.join(out, name), "wb") as f:
-            f.write(read_verified(run.store, run.final(path_id), name))
+    if not run.store.exists(f"{run.final(path_id)}/manifest.json"):
+        raise NotFound(f"path {path_id} has no final/ to start from in {run.url}: train it first, or use --init base")
+    download(run.store, run.final(path_id), out)
     with open(os.path.join(out, "provenance.json")) as f:
         return json.load(f)
 
 
 def materialize_expert(run: Run, name: str, out: str) -> dict[str, Any]:
     """The expert's starting checkpoint in `out` (verified), with expert.json; its expert.json."""
-    prefix = run.expert(name)
-    files = read_manifest(run.store, prefix)["files"]
-    os.makedirs(out, exist_ok=True)
-    for fname in files:
-        if fname.startswith("init/"):
-            with open(os.path.join(out, fname[len("init/"):]), "wb") as f:
-                f.write(read_verified(run.store, prefix, fname))
-    return json.load(open(os.path.join(out, "expert.json")))
+    download(run.store, run.expert(name), out, lambda n: n[len("init/"):] if n.startswith("init/") else None)
+    with open(os.path.join(out, "expert.json")) as f:
+        return json.load(f)
 
 
 # -- the one model resolver -------------------------------------------------------------------

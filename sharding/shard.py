@@ -23,7 +23,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import numpy as np
 
@@ -36,8 +36,6 @@ from sharding.zarr_store import HashingStore, open_zarr_store
 from storage.layout import Run
 from storage.manifest import ArtifactWriter, read_manifest
 from storage.safetensors_io import read_header
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from paths.plan import Plan

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zarr.storage
 
 from storage.layout import Run
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from storage.store import Store

@@ -168,14 +168,15 @@ def gc_plan(run: Run, older_than_s: float, keep: int, now: float | None = None) 
 
 
 def _stale_temp_files(run: Run, older_than_s: float, now: float) -> list[GcItem]:
-    """Temp files that a crashed local write left behind (hidden from listings)."""
+    """Temp files, scratch folders and staged artifacts that a crashed local write left behind
+    (hidden from listings; lock files stay)."""
     fs, root = run.store.fs, run.store.root
     if run.store.protocol != "file":
         return []
     out = []
     for path, info in fs.find(root, withdirs=False, detail=True).items():
-        name = path.rsplit("/", 1)[-1]
-        if name.startswith(HIDDEN_PREFIX + "tmp-"):
+        parts = path[len(root) + 1 :].split("/")
+        if any(p.startswith(HIDDEN_PREFIX) and not p.startswith(HIDDEN_PREFIX + "lock-") for p in parts):
             age = now - float(info.get("mtime") or now)
             if age >= older_than_s:
                 out.append(GcItem(path[len(root) + 1 :], f"temp file, {_age(age)} old", 1, int(info["size"])))

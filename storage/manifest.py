@@ -12,7 +12,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from storage.errors import IntegrityError, NotFound, PreconditionFailed, StorageError
 from storage.store import Store
@@ -100,6 +100,25 @@ def read_verified(store: Store, prefix: str, name: str) -> bytes:
     data = store.read(key)
     check_entry(store, key, entry, len(data), sha256_hex(data))
     return data
+
+
+def download(store: Store, prefix: str, out: str, names: Callable[[str], str | None] | None = None) -> dict[str, Any]:
+    """Write the files of a committed artifact under `out`, each checked against the manifest
+    (read once); `names` maps a listed name to where it goes under `out` (None: leave it out).
+    Returns the manifest."""
+    manifest = read_manifest(store, prefix)
+    for name, entry in manifest["files"].items():
+        target = names(name) if names else name
+        if target is None:
+            continue
+        key = _join(prefix, name)
+        data = store.read(key)
+        check_entry(store, key, entry, len(data), sha256_hex(data))
+        path = os.path.join(out, target)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+    return manifest
 
 
 def check_entry(store: Store, key: str, entry: dict[str, Any], size: int, digest: str) -> None:

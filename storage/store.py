@@ -177,8 +177,9 @@ class Store:
         """Bytes in the object."""
         return self._call(key, lambda: int(self.fs.size(self.path(key))))
 
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
-        """Every object under prefix (recursive), sorted by key; our scratch files are hidden."""
+    def list(self, prefix: str = "", hidden: bool = False) -> list[ObjectInfo]:
+        """Every object under prefix (recursive), sorted by key; our scratch files and staged
+        artifacts are left out unless `hidden`."""
         base = self.path(prefix.rstrip("/")) if prefix else self.root
 
         def find() -> dict:
@@ -191,7 +192,7 @@ class Store:
             if info.get("type") == "directory":  # some S3 servers list empty "folders"
                 continue
             key = self._rel(path)
-            if any(part.startswith(HIDDEN_PREFIX) for part in key.split("/")):  # temp files and folders
+            if not hidden and any(part.startswith(HIDDEN_PREFIX) for part in key.split("/")):  # temp files and folders
                 continue
             out.append(ObjectInfo(key=key, size=int(info.get("size") or 0), mtime=_mtime(info)))
         return sorted(out, key=lambda o: o.key)
@@ -234,7 +235,7 @@ class Store:
         last. Here (S3, memory): the old `last` goes first (readers then see no artifact rather than
         a mix), each object is copied server-side, objects of the old artifact that the new one lacks
         are removed, `last` is copied, and `staged` is removed."""
-        new = {o.key[len(staged) + 1 :] for o in self._list_all(staged)}
+        new = {o.key[len(staged) + 1 :] for o in self.list(staged, hidden=True)}
         old = {o.key[len(prefix) + 1 :] for o in self.list(prefix)}
         self.delete(f"{prefix}/{last}")
         for name in sorted(new - {last}):
@@ -246,14 +247,8 @@ class Store:
 
     def discard_staged(self, staged: str) -> None:
         """Remove a staged (hidden) artifact, whole or partial."""
-        for o in self._list_all(staged):
+        for o in self.list(staged, hidden=True):
             self.delete(o.key)
-
-    def _list_all(self, prefix: str) -> list[ObjectInfo]:
-        """Every object under a prefix, hidden ones included (a staged artifact)."""
-        base = self.path(prefix.rstrip("/"))
-        found = self._call(prefix, lambda: self.fs.find(base, withdirs=False, detail=True) if self.fs.exists(base) else {})
-        return [ObjectInfo(key=self._rel(p), size=int(i.get("size") or 0), mtime=_mtime(i)) for p, i in found.items() if i.get("type") != "directory"]
 
     def delete_prefix(self, prefix: str) -> int:
         """Remove every object under prefix; returns how many there were."""

@@ -17,14 +17,12 @@ import functools
 import inspect
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from paths.errors import ConfigurationError, DataError
 from paths.work.rewards import Reward, score
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from paths.train_config import TrainConfig

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import threading
 import time
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -31,11 +31,10 @@ from paths.work.claims import Lease
 from storage.layout import Run
 from storage.manifest import ArtifactWriter, sha256_hex
 
-from typing import TYPE_CHECKING
-
 if TYPE_CHECKING:
-    from paths.families import Family
     from typing import Callable
+
+    from paths.families import Family
 
 Mode = Literal["lm", "sft", "grpo"]
 
