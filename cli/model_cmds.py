@@ -80,10 +80,16 @@ def _ids(ids: list[str]) -> str:
 @run_arg
 @click.option("--path", "path_id", required=True, help="The path id, e.g. p00-01.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Local folder for the dense checkpoint.")
-def materialize(run: str, path_id: str, out: str) -> None:
+@click.option("--final", is_flag=True, help="The trained path (work/<path>/final/, verified) instead of its cut from base/: e.g. a seed for `paths upcycle`.")
+def materialize(run: str, path_id: str, out: str, final: bool) -> None:
     """Write one path as a standalone dense HF checkpoint, reading only its bytes from base/."""
+    from paths.models import fetch_final
     from paths.models import materialize as do
     from storage.layout import open_run
 
+    if final:
+        provenance = fetch_final(open_run(run), path_id, out)
+        click.echo(f"wrote {out}: the trained {path_id} ({provenance.get('mode', '?')}, {provenance.get('steps', '?')} steps)")
+        return
     stats = do(open_run(run), path_id, out)
     click.echo(f"wrote {out}: {stats['bytes_written']:,} bytes of tensors, read {stats['tensor_bytes_read']:,} (+{stats['header_bytes_read']:,} header) in {stats['seconds']}s")

@@ -17,13 +17,13 @@ from cli import scenarios
 from cli.render import render
 from paths.errors import PathsError
 
-SCENARIOS = {"main": (scenarios.main_scenario, scenarios.DEFAULT_ROOT), "flexolmo": (scenarios.flexolmo_scenario, scenarios.FLEX_ROOT)}
+SCENARIOS = {"main": (scenarios.main_scenario, scenarios.DEFAULT_ROOT), "flexolmo": (scenarios.flexolmo_scenario, scenarios.FLEX_ROOT), "rl": (scenarios.rl_scenario, scenarios.RL_ROOT)}
 NOTHING_TO_CLAIM = 3
 
 
 @click.command()
 @click.option("--scenario", type=click.Choice([*SCENARIOS, "all"]), default="main", show_default=True,
-              help="main: decompose, shard, train, GRPO, compose, eval; flexolmo: anchored domain experts and opt-out; all: each in turn.")
+              help="main: decompose, shard, train, compose, eval, HDEE; flexolmo: anchored domain experts and opt-out; rl: SFT cold start, upcycle, GRPO per path, compose; all: each in turn.")
 @click.option("--root", help="Folder (or s3:// URL) of the quickstart run (default: runs/quickstart[-SCENARIO]).")
 def quickstart(scenario: str, root: str | None) -> None:
     """Create a run on a local folder and walk it through every stage, command by command."""

@@ -25,9 +25,6 @@ PATH = "p01-02"
 DATASET = "corpus"
 LM_DATASET = "corpus-moe"
 TRAIN_STEPS = 4
-RL_DATASET = "arithmetic"
-RL_PROMPTS = 800
-RL_STEPS = 8
 COMPOSED = "quickstart"
 FT_STEPS = 10
 DOMAINS = {"code": "p00-00", "prose": "p01-02", "math": "p03-03"}
@@ -36,6 +33,12 @@ DOMAINS = {"code": "p00-00", "prose": "p01-02", "math": "p03-03"}
 HDEE = {"code-m": ("code", "tiny-m", 40), "prose-s": ("prose", "tiny-s", 30), "math-xs": ("math", "tiny-xs", 20)}
 HOMOGENEOUS = {"code-h": ("code", "tiny-s", 30), "prose-h": ("prose", "tiny-s", 30), "math-h": ("math", "tiny-s", 30)}
 EXPERT_DATASET = "experts"
+RL_ROOT = "runs/quickstart-rl"
+RL_PRESET = "mini-mixtral"  # hidden 128: the smallest preset that learns 2-number arithmetic in seconds
+RL_TASKS = ["--n", "1600", "--levels", "1", "--families", "add,sub", "--max-operand", "12"]
+SEED_STEPS = 300
+RL_STEPS = 100
+RL_REWARDS = ["--reward", "math_answer", "--reward", "format=0.2"]
 FLEX_ROOT = "runs/quickstart-flexolmo"
 FLEX_DOMAINS = {"code": "p00", "prose": "p01", "math": "p02"}  # p03: the public expert, never trained
 FLEX_DATASET = "domains"
@@ -125,18 +128,14 @@ def _opening(root: str, levels: int) -> list[Stage]:
 
 
 def main_scenario(root: str = DEFAULT_ROOT) -> Scenario:
-    """Decompose, shard, train every path, GRPO on one, compose, fine-tune the routers, evaluate,
-    then HDEE domain experts ensembled, and the storage commands."""
+    """Decompose, shard, train every path, compose, fine-tune the routers, evaluate, then HDEE
+    domain experts ensembled, and the storage commands."""
     here = os.path.dirname(os.path.abspath(root))
     corpus = os.path.join(here, "quickstart-corpus")
     domain_map = os.path.join(corpus, "domains.json")
-    tasks = os.path.join(here, "quickstart-tasks", "arithmetic.jsonl")  # not in the corpus glob
     out = os.path.join(here, f"quickstart-{PATH}")
     documents = ["--input", f"{corpus}/*.jsonl", "--id-field", "id"]
     models = ["base", *(f"path:{p}" for p in sorted(set(DOMAINS.values()))), f"composed:{COMPOSED}", f"composed:{COMPOSED}-ft"]
-    rl = lambda: _rl_path(root)  # noqa: E731  (computed when the GRPO stages run)
-    grpo = ["--mode", "grpo", "--init", "final", "--dataset", RL_DATASET, "--reward", "math_answer", "--reward", "format=0.5", "--steps", str(RL_STEPS),
-            "--checkpoint-every", "4", *settings("batch_size=4", "group_size=8", "max_new_tokens=16", "warmup_steps=1", "lr=1e-3"), "--no-progress"]
     stages: list[Stage] = [
         *_opening(root, LEVELS),
         Action("write a corpus found on this machine (code: stdlib sources, prose: pydoc topics, math: generated)", lambda: _corpus(corpus, domain_map, DOMAINS)),
@@ -145,13 +144,6 @@ def main_scenario(root: str = DEFAULT_ROOT) -> Scenario:
         WorkerLoop(["claim", root, "--ttl", "60", "--worker", "quickstart"],
                    ["train", root, "--dataset", LM_DATASET, "--steps", str(TRAIN_STEPS), "--checkpoint-every", "2", *settings("seq_len=64", "batch_size=4", "warmup_steps=1"), "--no-progress"]),
         Command(["status", root]),
-        Command(["gen-tasks", "arithmetic", "--n", str(RL_PROMPTS), "--levels", "1,2", "--out", tasks]),
-        Command(["shard", root, "--dataset", RL_DATASET, "--input", tasks, "--kind", "prompts", "--text-field", "prompt", "--id-field", "id", "--router", "moe", "--holdout", "0.2"]),
-        Action("held-out reward of the path with the most held-out prompts, before GRPO (greedy)", lambda: _reward(root, "before")),
-        Command(lambda: ["release", root, "--path", rl(), "--state", "open"]),
-        Command(lambda: ["claim", root, "--path", rl(), "--ttl", "60", "--worker", "quickstart"]),
-        Command(lambda: ["train", root, *grpo]),
-        Action("held-out reward after GRPO", lambda: _reward(root, "after")),
         Command(["compose", root, "--into", "moe", "--name", COMPOSED, "--overwrite"]),
         Command(["finetune-moe", root, "--model", f"composed:{COMPOSED}", "--dataset", LM_DATASET, "--train", "router", "--steps", str(FT_STEPS), "--checkpoint-every", "0",
                  *settings("seq_len=64", "batch_size=4", "warmup_steps=1", "lr=1e-2", "weight_decay=0"), "--overwrite", "--no-progress"],
@@ -188,6 +180,49 @@ def _hdee(root: str, corpus: str) -> list[Stage]:
     stages.append(Command(["eval", root, "--dataset", EXPERT_DATASET, *(a for m in models for a in ("--model", m)), "--max-tokens", "20000"],
                           note="hdee: experts sized and trained by domain; homogeneous: one size and budget; the MoE was trained on the moe-routed corpus"))
     return stages
+
+
+def rl_scenario(root: str = RL_ROOT) -> Scenario:
+    """DeepSeek-R1's recipe in miniature, the Branch-Train-MiX way: an SFT cold start on worked
+    arithmetic (the seed, one dense path), sparse upcycling of the seed into a 4-expert MoE, GRPO of
+    every path by the worker loop on its share of the prompts, compose, and held-out accuracy of the
+    seed, each path and the composed MoE; then rejection sampling from the composed model."""
+    here = os.path.dirname(os.path.abspath(root))
+    seed_root, seed_dir = f"{root}-seed", os.path.join(here, "quickstart-rl-seed-p00")
+    tasks = os.path.join(here, "quickstart-tasks", "arithmetic.jsonl")  # not in the corpus glob
+    seed_map = os.path.join(here, "quickstart-tasks", "seed-map.json")
+    accepted = os.path.join(here, "quickstart-tasks", "rejection-sampled.jsonl")
+    prompts = ["--kind", "prompts", "--text-field", "prompt", "--id-field", "id", "--holdout", "0.2"]
+    models = ["base", "path:p00", "path:p01", "composed:rl"]
+    stages: list[Stage] = [
+        Command(["storage", "init", seed_root]),
+        Command(["init", seed_root, "--preset", RL_PRESET], unless=lambda: _has_base(seed_root)),
+        Command(["decompose", seed_root, "--levels", "1"]),
+        Command(["gen-tasks", "arithmetic", *RL_TASKS, "--out", tasks]),
+        Action("every task family to the seed path p00", lambda: _write_json(seed_map, {"add": "p00", "sub": "p00"})),
+        Command(["shard", seed_root, "--dataset", "arith-sft", "--input", tasks, *prompts, "--answer-field", "solution", "--router", "domain", "--domain-field", "family",
+                 "--domain-map", seed_map]),
+        ForEach({"p00 (the seed)": "p00"}, lambda p: ["claim", seed_root, "--path", p, "--ttl", "60", "--worker", "quickstart"],
+                ["train", seed_root, "--mode", "sft", "--dataset", "arith-sft", "--steps", str(SEED_STEPS), "--checkpoint-every", "0",
+                 *settings("seq_len=80", "batch_size=16", "warmup_steps=10", "lr=3e-3", "weight_decay=0"), "--no-progress"],
+                note="(SFT cold start: prompt -> worked solution, loss on the completion only)"),
+        Command(["materialize", seed_root, "--path", "p00", "--final", "--out", seed_dir]),
+        Command(["storage", "init", root]),
+        Command(["upcycle", root, "--from", seed_dir, "--experts", "2", "--top-k", "2"], unless=lambda: _has_base(root)),
+        Command(["decompose", root, "--levels", "1"]),
+        Command(["shard", root, "--dataset", "arith", "--input", tasks, *prompts, "--router", "hash"]),
+        WorkerLoop(["claim", root, "--ttl", "60", "--worker", "quickstart"],
+                   ["train", root, "--mode", "grpo", "--dataset", "arith", *RL_REWARDS, "--steps", str(RL_STEPS), "--checkpoint-every", "0", "--eval-every", "10",
+                    *settings("batch_size=16", "group_size=8", "max_new_tokens=24", "warmup_steps=2", "lr=1e-4"), "--no-progress"],
+                   note="(each path: GRPO from the seed on its half of the prompts)"),
+        Command(["compose", root, "--into", "moe", "--name", "rl", "--overwrite"]),
+        Command(["eval", root, "--dataset", "arith", *(a for m in models for a in ("--model", m))],
+                note="held-out math_answer accuracy (greedy); base is the upcycled seed: the SFT cold start, before GRPO"),
+        Command(["rejection-sample", root, "--model", "composed:rl", "--dataset", "arith", "--shard", "p00", "--n", "4", *RL_REWARDS[:2], "--out", accepted, "--no-progress"],
+                note="(R1's stage 3: verified completions, ready for `paths shard --kind prompts --answer-field completion` and --mode sft)"),
+        Command(["storage", "verify", root]),
+    ]
+    return Scenario(root, stages)
 
 
 def flexolmo_scenario(root: str = FLEX_ROOT) -> Scenario:
@@ -236,32 +271,13 @@ def _has_expert(root: str, name: str) -> str | None:
     return f"(expert {name} is already registered: {expert_info(run, name)['parameters']:,} parameters)"
 
 
-def _rl_path(root: str) -> str:
-    """The path with the most held-out prompts (GRPO's before / after are scored on them)."""
-    from sharding.dataset import dataset_manifest
+def _write_json(path: str, body: Any) -> str:
+    import json
 
-    paths = dataset_manifest(_run(root), RL_DATASET)["paths"]
-    return max(sorted(paths), key=lambda p: paths[p]["heldout_docs"])
-
-
-def _reward(root: str, when: str) -> str:
-    """Mean rewards of the GRPO path's final/ on its held-out prompts (greedy completions)."""
-    import tempfile
-
-    from paths.models import load_model
-    from paths.work.grpo import evaluate
-    from paths.work.rewards import load_reward
-    from sharding.dataset import read_prompts
-
-    run, pid = _run(root), _rl_path(root)
-    with tempfile.TemporaryDirectory() as scratch:
-        model, tokenizer, _ = load_model(run, f"path:{pid}", scratch)
-        scores = evaluate(model, tokenizer, read_prompts(run, RL_DATASET, pid, "heldout"), [load_reward(r) for r in ("math_answer", "format=0.5")], max_new_tokens=16)
-    shown = ", ".join(f"{k} {v:.3f}" for k, v in scores.items() if k != "prompts")
-    out = f"{pid}, {when} GRPO, on {scores['prompts']} held-out prompts: {shown}"
-    if when == "after":
-        out += "\n(a 189K-parameter model trained for seconds does not do arithmetic: the numbers show the loop, not skill)"
-    return out
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(body, f)
+    return f"wrote {path}: {json.dumps(body)}"
 
 
 def _corpus(folder: str, domain_map: str, domains: dict[str, str]) -> str:

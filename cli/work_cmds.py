@@ -54,6 +54,9 @@ def claim(run: str, path_id: str | None, ttl: float, worker: str | None) -> None
 @click.option("--loss", type=click.Choice(["grpo", "bnpo", "dr_grpo", "dapo"]), help="grpo: loss normalisation (TRL's definitions).")
 @click.option("--scale-rewards", type=click.Choice(["group", "batch", "none"]), help="grpo: advantage scaling.")
 @click.option("--iterations", type=int, help="grpo: optimizer steps per rollout.")
+@click.option("--dynamic-sampling/--no-dynamic-sampling", default=None, help="grpo: drop groups whose rewards are all equal and sample more prompts until the batch is full (DAPO).")
+@click.option("--overlong", type=click.Choice(["none", "mask", "soft"]), help="grpo: completions cut at --max-new-tokens: keep, leave out of the loss, or penalise (with --set overlong_buffer=N).")
+@click.option("--eval-every", type=int, help="grpo: held-out reward (greedy) every N steps, in the metrics as heldout_reward.")
 def train(run: str | None, path_id: str | None, mode: str, dataset: str, steps: int | None, checkpoint_every: int | None, config_file: str | None, sets: tuple[str, ...], no_progress: bool, init: str, rewards: tuple[str, ...], **grpo: Any) -> None:
     """Train the claimed path, renewing its lease; checkpoints and exact resume."""
     from paths.train_config import load_config
@@ -62,7 +65,7 @@ def train(run: str | None, path_id: str | None, mode: str, dataset: str, steps: 
     from paths.work.train import unit_config
     from storage.layout import open_run
 
-    cfg = load_config(config_file, sets, steps=steps, checkpoint_every=checkpoint_every, **grpo)  # bad settings fail first
+    cfg = load_config(config_file, sets, mode=mode, steps=steps, checkpoint_every=checkpoint_every, **grpo)  # bad settings fail first
     r = open_run(run or claimed_run())
     lease, path_id = lease_for_rank(r, path_id)
     cfg = unit_config(r, path_id, cfg, steps_given=steps is not None)
@@ -100,16 +103,21 @@ def status(run: str, json_out: bool) -> None:
 @click.argument("kind", type=click.Choice(["arithmetic"]))
 @click.option("--n", "n", required=True, type=int, help="Number of prompts.")
 @click.option("--levels", default="1,2,3", show_default=True, help="Difficulty levels (operations per problem, 1-5), comma-separated.")
+@click.option("--families", default="mixed,word", show_default=True, help="Task families to cycle through: add, sub, mul, mixed, word (comma-separated).")
+@click.option("--max-operand", type=int, help="Draw every operand from 1..N (multipliers 2..N); default: first 1..20, others 2..12.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--out", required=True, help="Output JSONL: a file or an fsspec URL.")
-def gen_tasks(kind: str, n: int, levels: str, seed: int, out: str) -> None:
-    """Write RL prompts with exact answers (JSONL: id, level, prompt, answer)."""
+def gen_tasks(kind: str, n: int, levels: str, families: str, max_operand: int | None, seed: int, out: str) -> None:
+    """Write RL prompts with exact answers (JSONL: id, level, family, prompt, answer, solution)."""
+    from collections import Counter
+
     from paths.work.tasks import arithmetic, write_jsonl
 
     try:
         level_list = [int(x) for x in levels.split(",") if x.strip()]
     except ValueError:
         raise click.BadParameter(f"{levels!r}: give numbers like 1,2,3", param_hint="--levels") from None
-    records = arithmetic(n, level_list, seed)
+    records = arithmetic(n, level_list, seed, [x.strip() for x in families.split(",") if x.strip()], max_operand)
     write_jsonl(records, out)
-    click.echo(f"wrote {len(records)} {kind} prompts (levels {levels}) to {out}")
+    counts = ", ".join(f"{f} {c}" for f, c in Counter(r["family"] for r in records).items())
+    click.echo(f"wrote {len(records)} {kind} prompts (levels {levels}; {counts}) to {out}")

@@ -14,7 +14,9 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
-DEFAULT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "train", "default.toml")
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "train")
+DEFAULT = os.path.join(CONFIGS, "default.toml")
+PRESETS = {"grpo": os.path.join(CONFIGS, "grpo.toml")}  # what a mode starts from, over the defaults
 
 
 @dataclass(kw_only=True, slots=True)
@@ -51,6 +53,13 @@ class TrainConfig:
     loss: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
     scale_rewards: Literal["group", "batch", "none"] = "group"
     iterations: int = 1
+    generation_batch_size: int = 0
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4
+    overlong: Literal["none", "mask", "soft"] = "none"
+    overlong_buffer: int = 0
+    eval_every: int = 0
+    eval_prompts: int = 64
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "batch_size", "grad_accum", "steps"):
@@ -70,6 +79,18 @@ class TrainConfig:
             raise ConfigurationError(f"temperature must be > 0 and top_p in (0, 1], got {self.temperature} and {self.top_p}")
         if self.loss not in ("grpo", "bnpo", "dr_grpo", "dapo") or self.scale_rewards not in ("group", "batch", "none"):
             raise ConfigurationError(f"loss must be grpo, bnpo, dr_grpo or dapo and scale_rewards group, batch or none; got {self.loss!r}, {self.scale_rewards!r}")
+        if self.overlong not in ("none", "mask", "soft"):
+            raise ConfigurationError(f"overlong must be none, mask (cut completions leave the loss) or soft (DAPO's length penalty), got {self.overlong!r}")
+        if self.overlong == "soft" and not 0 < self.overlong_buffer <= self.max_new_tokens:
+            raise ConfigurationError(f"overlong = soft needs 0 < overlong_buffer <= max_new_tokens ({self.max_new_tokens}), got {self.overlong_buffer}: e.g. --set overlong_buffer={max(1, self.max_new_tokens // 4)}")
+        for name in ("generation_batch_size", "eval_every", "eval_prompts"):
+            if getattr(self, name) < 0:
+                raise ConfigurationError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_sampling_rounds < 1:
+            raise ConfigurationError(f"max_sampling_rounds must be >= 1, got {self.max_sampling_rounds}")
+        rollout = self.grad_accum * self.batch_size * self.group_size
+        if self.generation_batch_size and rollout % self.generation_batch_size:
+            raise ConfigurationError(f"generation_batch_size {self.generation_batch_size} does not divide the rollout of {rollout} completions (grad_accum x batch_size x group_size): pick a divisor, e.g. {self.batch_size * self.group_size}")
         if self.freeze not in ("none", "shared"):
             raise ConfigurationError(f"freeze must be none or shared (--freeze shared trains only the path's experts), got {self.freeze!r}")
         if self.precision not in ("auto", "fp32", "bf16"):
@@ -84,10 +105,18 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+def _boolean(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
 def _coerce(name: str, raw: Any, kind: type) -> Any:
     if isinstance(raw, str) and kind is not str:
         try:
-            return {int: int, float: float, bool: lambda v: v.lower() in ("1", "true", "yes")}.get(kind, str)(raw)
+            return {int: int, float: float, bool: _boolean}.get(kind, str)(raw)
         except ValueError:
             raise ConfigurationError(f"--set {name}={raw}: expected a {kind.__name__}") from None
     if kind is float and isinstance(raw, int):
@@ -95,12 +124,13 @@ def _coerce(name: str, raw: Any, kind: type) -> Any:
     return raw
 
 
-def load_config(config_file: str | None = None, sets: list[str] | tuple[str, ...] = (), **overrides: Any) -> TrainConfig:
-    """Defaults, then the TOML file, then `--set key=value`, then explicit options."""
+def load_config(config_file: str | None = None, sets: list[str] | tuple[str, ...] = (), mode: str | None = None, **overrides: Any) -> TrainConfig:
+    """Defaults, then the mode's preset (grpo: configs/train/grpo.toml), then the TOML file, then
+    `--set key=value`, then explicit options."""
     known = {f.name: f for f in fields(TrainConfig)}
-    types = {name: {"int": int, "float": float}.get(str(f.type), str) for name, f in known.items()}
+    types = {name: {"int": int, "float": float, "bool": bool}.get(str(f.type), str) for name, f in known.items()}
     values: dict[str, Any] = {}
-    for path in [DEFAULT] + ([config_file] if config_file else []):
+    for path in [DEFAULT, *([PRESETS[mode]] if mode in PRESETS else []), *([config_file] if config_file else [])]:
         try:
             with open(path, "rb") as f:
                 data = tomllib.load(f)

@@ -21,6 +21,7 @@ import math
 import signal
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol, TypeVar
 
@@ -279,7 +280,10 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """Commit work/<unit>/ckpt-<step>/ (rank 0), the metrics so far, and prune old ones."""
         data = self.batches.state_dict()
-        if self.acc.num_processes > 1:  # every rank consumed the same number of windows
+        if self.acc.num_processes > 1:  # every rank consumed the same number of windows: checked, then one state per rank
+            mine = torch.tensor([zlib.crc32(json.dumps(_without_rank(data), sort_keys=True).encode())], device=self.acc.device)
+            if len(set(self.acc.gather(mine).tolist())) > 1:
+                raise PathsError(f"the ranks of {self.desc} {self.unit} drew different numbers of batches by step {self.step}: a step must draw the same on every rank")
             data = [{**data, "rank": r} for r in range(self.acc.num_processes)]
         state = {
             **self.job, "step": self.step, "tokens": self.tokens, "loss": self.loss, "config": self.cfg.to_json(),
@@ -337,6 +341,13 @@ class Trainer:
                 for cb in self.callbacks:
                     cb.interrupted(self, self.step, name)
             raise Interrupted(f"stopped by {name} at step {self.step} of {self.desc} {self.unit}: checkpoint committed; resume: {self.resume_hint}")
+
+
+def _without_rank(state: Any) -> Any:
+    """A data state with every `rank` field dropped (what must agree across ranks)."""
+    if isinstance(state, dict):
+        return {k: _without_rank(v) for k, v in state.items() if k != "rank"}
+    return state
 
 
 def _progress(enabled: bool, start: int, total: int, desc: str):

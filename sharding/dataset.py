@@ -16,6 +16,7 @@ position (windows the rank has consumed) is all the state there is: `state_dict(
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, TypeVar
@@ -100,19 +101,29 @@ def read_tokens(run: Run, dataset: str, path_id: str, split: str = "train", limi
     return decoded(run, dataset, path_id, lambda: np.asarray(tokens[: tokens.shape[0] if limit is None else limit]))
 
 
+RESERVED = ("prompt", "answer", "ids")
+
+
 def read_prompts(run: Run, dataset: str, path_id: str, split: str = "train") -> list[dict[str, Any]]:
-    """A prompt dataset's records of one path: prompt text, answer text, prompt token ids."""
+    """A prompt dataset's records of one path: {"prompt", "answer", "ids" (prompt tokens), **the
+    record's other fields} (what a reward gets as keyword arguments); a field named like one of the
+    first three stays in the shard but is left out here. Shards older than format 2 have no fields."""
     manifest, _ = path_entry(run, dataset, path_id)
     if manifest.get("data_kind") != "prompts":
         raise ConfigurationError(f"dataset {dataset!r} holds documents, not prompts: shard it with --kind prompts")
     group = open_group(run, dataset, path_id, manifest)
+    names = ("prompt", "answer", "tokens") + (("fields",) if array_names("fields", split)[0] in group else ())
     out: dict[str, list] = {}
-    for name in ("prompt", "answer", "tokens"):
+    for name in names:
         vname, oname = array_names(name, split)
         values, offsets = decoded(run, dataset, path_id, lambda: (group[vname][:], group[oname][:]))
         pieces = [values[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
         out[name] = [p.tobytes().decode() for p in pieces] if name != "tokens" else [p.tolist() for p in pieces]
-    return [{"prompt": p, "answer": a, "ids": t} for p, a, t in zip(out["prompt"], out["answer"], out["tokens"])]
+    extras = [json.loads(f) if f else {} for f in out["fields"]] if "fields" in out else [{}] * len(out["prompt"])
+    return [
+        {"prompt": p, "answer": a, "ids": t, **{k: v for k, v in e.items() if k not in RESERVED}}
+        for p, a, t, e in zip(out["prompt"], out["answer"], out["tokens"], extras)
+    ]
 
 
 class PathDataset(torch.utils.data.IterableDataset):

@@ -1,6 +1,7 @@
 """Raw inputs: fsspec URLs and globs of JSONL (plain, .gz, .zst), Parquet or text files, as records.
 
-A record is one document (or, for `--kind prompts`, one prompt with its answer). Text files are
+A record is one document (or, for `--kind prompts`, one prompt with its answer and the row's other
+fields, which the rewards receive). Text files are
 one document each (the whole file, its URL as id), the way code corpora are usually cut. Records
 come out in a fixed order: inputs sorted by URL, then file order, so the same inputs always give
 the same documents in the same order.
@@ -31,6 +32,7 @@ class Record:
     id: str
     domain: str | None = None
     answer: str | None = None
+    extra: str | None = None  # Fields.rest: the row's other fields as one compact JSON object
 
 
 @dataclass(slots=True)
@@ -62,6 +64,7 @@ class Fields:
     id: str | None = None
     domain: str | None = None
     answer: str | None = None
+    rest: bool = False  # keep every other field of a row (prompts: the rewards get them)
 
 
 def expand(patterns: list[str], storage_options: dict[str, Any] | None = None) -> list[str]:
@@ -160,7 +163,7 @@ def _is_zstd(f: Any) -> bool:
 def _parquet_rows(url: str, opener: Any, fields: Fields) -> Iterator[tuple[str, Any]]:
     import pyarrow.parquet as pq
 
-    wanted = [c for c in (fields.text, fields.id, fields.domain, fields.answer) if c]
+    wanted = [c for c in (fields.text, fields.id, fields.domain, fields.answer) if c]  # all columns with fields.rest
     with opener as f:
         try:
             pf = pq.ParquetFile(io.BytesIO(f.read()))
@@ -171,7 +174,7 @@ def _parquet_rows(url: str, opener: Any, fields: Fields) -> Iterator[tuple[str, 
         if missing:
             raise DataError(f"{url} has no column {missing[0]!r} (columns: {', '.join(names[:10])}): pass the right --*-field")
         n = 0
-        for batch in pf.iter_batches(columns=wanted, batch_size=4096):
+        for batch in pf.iter_batches(columns=None if fields.rest else wanted, batch_size=4096):
             for row in batch.to_pylist():
                 n += 1
                 yield f"{url}:row {n}", row
@@ -204,4 +207,23 @@ def _to_record(where: str, row: dict, fields: Fields, on_error: OnError, stats: 
             _bad("missing_field", f"{where} has no {kind} field {name!r}; pass --{kind}-field", on_error, stats, where)
             return None
         extra[kind] = None if value is None else str(value)
-    return Record(text=text, id=doc_id or "", **extra)
+    rest = None
+    if fields.rest and not row.get("_text_file"):
+        kept = {k: v for k, v in row.items() if k not in (text_field, fields.answer)}
+        if doc_id is not None and fields.id:
+            kept["id"] = doc_id  # the --id-field value, as the dataset's id
+        try:
+            rest = json.dumps(kept, ensure_ascii=False, separators=(",", ":")) if kept else None
+        except TypeError:
+            name = next(k for k, v in kept.items() if not _is_json(v))
+            _bad("malformed", f"{where} field {name!r} holds a {type(kept[name]).__name__}, which prompt fields (kept as JSON for the rewards) cannot", on_error, stats, where)
+            return None
+    return Record(text=text, id=doc_id or "", extra=rest, **extra)
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except TypeError:
+        return False

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from paths.plan import Plan
 
 FORMAT_VERSION = 1
+PROMPTS_FORMAT_VERSION = 2  # 2: prompt datasets keep each record's other fields (fields_utf8)
 STAGING = "_staging"
 TOP_K = 8
 MEMORY_BUDGET = 1 << 30  # bytes of path data held in memory before spilling to local files
@@ -108,7 +109,11 @@ class ShardOptions:
 
     @property
     def fields(self) -> Fields:
-        return Fields(self.text_field, self.id_field, self.domain_field, self.answer_field)
+        return Fields(self.text_field, self.id_field, self.domain_field, self.answer_field, rest=self.kind == "prompts")
+
+    @property
+    def format_version(self) -> int:
+        return PROMPTS_FORMAT_VERSION if self.kind == "prompts" else FORMAT_VERSION
 
     @property
     def router_id(self) -> str:
@@ -158,7 +163,7 @@ def _fingerprint(opts: ShardOptions, files: list[str], tok_hash: str, plan: dict
         fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
         sizes.append(int(fs.size(path)))
     body = {
-        "format_version": FORMAT_VERSION,
+        "format_version": opts.format_version,
         "options": dataclasses.asdict(opts) | {"inputs": sorted(opts.inputs)},
         "files": [{"url": u, "bytes": s} for u, s in zip(files, sizes)],
         "tokenizer": tok_hash,
@@ -357,6 +362,7 @@ def _part_arrays(docs: list[Doc], opts: ShardOptions, router: Router, run: Run) 
     if opts.kind == "prompts":
         arrays["prompt"], arrays["prompt_len"] = _flat_text([d.record.text for d in docs])
         arrays["answer"], arrays["answer_len"] = _flat_text([d.record.answer or "" for d in docs])
+        arrays["fields"], arrays["fields_len"] = _flat_text([d.record.extra or "" for d in docs])
     return arrays
 
 
@@ -406,7 +412,7 @@ def _consolidate(run: Run, opts: ShardOptions, router: Router, keys: list[str], 
             run.store.delete_prefix(run.shard(opts.dataset, p))  # what a killed attempt left
             sinks[p] = {}
             store = HashingStore(open_zarr_store(run, run.shard(opts.dataset, p), read_only=False), sinks[p])
-            jobs.append((buffers[p], store, {"dataset": opts.dataset, "path": p, "kind": opts.kind, "format_version": FORMAT_VERSION}))
+            jobs.append((buffers[p], store, {"dataset": opts.dataset, "path": p, "kind": opts.kind, "format_version": opts.format_version}))
         counts = dict(zip(path_ids, write_groups(jobs, opts.chunk_tokens, opts.shard_tokens)))
         for p in path_ids:
             writer.files.update({f"{p}.zarr/{k}": e for k, e in sorted(sinks[p].items())})
@@ -414,7 +420,7 @@ def _consolidate(run: Run, opts: ShardOptions, router: Router, keys: list[str], 
         per_path = {p: {**counts[p], "checksum": group_checksum(writer.files, f"{p}.zarr/")} for p in path_ids}
         docs = sum(c["train_docs"] + c["heldout_docs"] for c in per_path.values())
         manifest = writer.commit(
-            kind="dataset", format_version=FORMAT_VERSION, dataset=opts.dataset, data_kind=opts.kind,
+            kind="dataset", format_version=opts.format_version, dataset=opts.dataset, data_kind=opts.kind,
             fingerprint=fingerprint, router={"name": opts.router_id, "kind": router.kind, "balanced": opts.balanced, "slack": opts.slack},
             tokenizer=fingerprint["tokenizer"], inputs=inputs, paths=per_path, documents=docs,
             tokens=sum(c["train_tokens"] + c["heldout_tokens"] for c in per_path.values()),

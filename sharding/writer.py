@@ -7,6 +7,9 @@ tokens               uint32 (T,)     the path's documents, concatenated, each en
 doc_offsets          uint64 (D+1,)   document d is tokens[doc_offsets[d]:doc_offsets[d+1]]
 heldout_tokens, heldout_doc_offsets  the held-out documents, the same way
 prompt_utf8, prompt_offsets, answer_utf8, answer_offsets    (--kind prompts) texts as UTF-8
+fields_utf8, fields_offsets  (--kind prompts) each record's other fields: one compact JSON object
+                             as UTF-8, empty when it has none (text files; datasets before format 2
+                             have no such arrays)
 ```
 
 Token arrays have chunks of `chunk_tokens` (1M: 4 MiB) inside shards of `shard_tokens` (16M:
@@ -30,9 +33,9 @@ if TYPE_CHECKING:
     from storage.store import Store
 
 FIELDS_DOCUMENTS = ("tokens",)
-FIELDS_PROMPTS = ("tokens", "prompt", "answer")
+FIELDS_PROMPTS = ("tokens", "prompt", "answer", "fields")
 SPLITS = ("train", "heldout")
-_DTYPE = {"tokens": np.uint32, "prompt": np.uint8, "answer": np.uint8}
+_DTYPE = {"tokens": np.uint32, "prompt": np.uint8, "answer": np.uint8, "fields": np.uint8}
 
 
 def array_names(field_name: str, split: str) -> tuple[str, str]:

@@ -1,12 +1,17 @@
-"""GRPO with verifiable rewards, as small pieces: rollout -> reward -> advantage -> loss.
+"""GRPO with verifiable rewards, as small pieces: sample -> score -> select -> advantage -> loss.
 
-Per optimizer step: take `grad_accum x batch_size` prompts, sample `group_size` completions for
-each with the current policy (batched generation, KV cache), score them, normalise rewards within
-each group (the advantage), then optimise the clipped surrogate token by token, micro-batch by
-micro-batch. With `iterations` > 1 the same rollouts serve that many optimizer steps against the
-log-probabilities they were sampled with; with `beta` > 0 a frozen copy of the starting weights
-adds the k3 KL estimate. Loss normalisation follows TRL for each `loss` type, computed over the
-whole step so that accumulating 4 micro-batches of 1 equals 1 of 4.
+Per rollout: take `grad_accum x batch_size` prompts, sample `group_size` completions for each with
+the current policy (a lean KV-cached loop, `generation_batch_size` rows at a time), score them with
+the rewards (every field of the prompt record passed along, TRL's convention), optionally punish or
+mask completions cut at `max_new_tokens` (DAPO's overlong shaping), and with `dynamic_sampling`
+drop groups whose rewards are all equal and sample more prompts until the batch is full (DAPO).
+Rewards are normalised within each group (the advantage); the clipped surrogate is then optimised
+token by token, micro-batch by micro-batch. With `iterations` > 1 the same rollout serves that many
+optimizer steps against the log-probabilities it was sampled with; with `beta` > 0 a frozen copy of
+the starting weights adds the k3 KL estimate. Loss normalisation follows TRL for each `loss` type.
+
+Every tensor lives on the model's device; the log-prob passes materialise logits of the completion
+only (`logits_to_keep`) and run one micro-batch at a time, so memory does not grow with grad_accum.
 
 Shapes: N completions (prompts x G), P prompt tokens (left-padded), C completion tokens.
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -22,13 +28,15 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from paths.errors import ConfigurationError, DataError
-from paths.work.rewards import Reward, score
+from paths.trainer import Callback
+from paths.work.rewards import Reward, check_answers, score
 
 if TYPE_CHECKING:
     from paths.train_config import TrainConfig
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 Scale = Literal["group", "batch", "none"]
+log = logging.getLogger("paths.grpo")
 
 
 # -- advantage ---------------------------------------------------------------------------------------
@@ -42,6 +50,13 @@ def group_advantages(rewards_N: torch.Tensor, group: int, scale: Scale) -> torch
     if scale == "batch":
         return centred / (rewards_N.std() + 1e-4)
     return centred
+
+
+def overlong_penalty(lengths: list[int], max_new_tokens: int, buffer: int) -> list[float]:
+    """DAPO's soft overlong punishment: 0 up to max_new_tokens - buffer tokens, then linearly down
+    to -1 at max_new_tokens."""
+    start = max_new_tokens - buffer
+    return [min(0.0, (start - n) / buffer) if buffer > 0 else 0.0 for n in lengths]
 
 
 # -- loss pieces ---------------------------------------------------------------------------------------
@@ -59,39 +74,25 @@ def kl_k3(logp_NC: torch.Tensor, ref_NC: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
-def reduce_loss(per_token_NC: torch.Tensor, mask_NC: torch.Tensor, loss: LossType, step_completions: int, step_tokens: int, max_new_tokens: int) -> torch.Tensor:
+def reduce_loss(per_token_NC: torch.Tensor, mask_NC: torch.Tensor, loss: LossType, step_completions: int, step_tokens: int, max_new_tokens: int, micro_batches: int = 1) -> torch.Tensor:
     """This micro-batch's share of the step's loss, normalised as TRL defines each type:
-    grpo: mean over sequences of each sequence's token mean; bnpo and dapo: sum over all tokens of
-    the step / the step's completion tokens; dr_grpo: sum / (completions x max_new_tokens)."""
+    grpo: mean over the step's sequences of each sequence's token mean; bnpo: this micro-batch's
+    token mean, divided by the number of micro-batches; dapo: sum over the step's tokens / their
+    number; dr_grpo: sum / (completions x max_new_tokens)."""
     masked = per_token_NC * mask_NC
     if loss == "grpo":
         return (masked.sum(1) / mask_NC.sum(1).clamp(min=1)).sum() / step_completions
-    if loss in ("bnpo", "dapo"):
+    if loss == "bnpo":
+        return masked.sum() / mask_NC.sum().clamp(min=1) / micro_batches
+    if loss == "dapo":
         return masked.sum() / max(1, step_tokens)
     if loss == "dr_grpo":
         return masked.sum() / (step_completions * max_new_tokens)
     raise ConfigurationError(f"unknown --loss {loss!r}: use grpo, bnpo, dr_grpo or dapo")
 
 
-# -- rollouts ---------------------------------------------------------------------------------------
-@dataclass(slots=True)
-class Rollout:
-    """One step's completions: token ids, masks, rewards, advantages, sampling log-probs."""
-
-    ids_NT: torch.Tensor  # prompt (left-padded) + completion
-    attention_NT: torch.Tensor
-    prompt_len: int
-    completion_mask_NC: torch.Tensor
-    advantages_N: torch.Tensor
-    rewards_N: torch.Tensor
-    old_logp_NC: torch.Tensor | None
-    ref_logp_NC: torch.Tensor | None
-    reward_means: dict[str, float]
-    completions: list[str]
-    seconds: float
-
-
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+# -- sampling ---------------------------------------------------------------------------------------
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, attention mask), left-padded so every completion starts at the same column."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -99,32 +100,40 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
         mask[i, width - len(p):] = 1
-    return ids, mask
+    return ids.to(device), mask.to(device)
 
 
-def completion_logprobs(model: torch.nn.Module, ids_NT: torch.Tensor, attention_NT: torch.Tensor, prompt_len: int, temperature: float) -> torch.Tensor:
-    """log pi(token) of each completion token, (N, C), at the sampling temperature."""
-    positions = (attention_NT.cumsum(1) - 1).clamp(min=0)
-    logits = model(input_ids=ids_NT, attention_mask=attention_NT, position_ids=positions).logits  # (N, T, V)
-    logits = logits[:, prompt_len - 1 : -1].float() / temperature  # predictions of the completion
-    return torch.log_softmax(logits, -1).gather(-1, ids_NT[:, prompt_len:].unsqueeze(-1)).squeeze(-1)
+def device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@functools.cache
+def _forward_arguments(model_class: type) -> frozenset[str]:
+    return frozenset(inspect.signature(model_class.forward).parameters)
+
+
+def _cache_argument(model: torch.nn.Module) -> str:
+    """transformers >= 5.x names the KV-cache argument `cache`; older releases `past_key_values`.
+    Inspected on the model itself, not on a DDP or compile wrapper."""
+    return "cache" if "cache" in _forward_arguments(type(model)) else "past_key_values"
 
 
 def sample_tokens(logits_NV: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """One token per row from softmax(logits / temperature), restricted to the top-p nucleus."""
+    """One token per row from softmax(logits / temperature), restricted to the top-p nucleus;
+    temperature 0 is greedy."""
+    if temperature == 0:
+        return logits_NV.argmax(-1)
     probs = torch.softmax(logits_NV.float() / temperature, -1)
     if top_p < 1.0:
         sorted_p, order = probs.sort(-1, descending=True)
         outside = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest set reaching top_p
         sorted_p[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    return torch.multinomial(probs, 1).squeeze(-1)
-
-
-@functools.cache
-def _cache_argument(model_class: type) -> str:
-    """transformers >= 5.x names the KV-cache argument `cache`; older releases `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+    # inverse-CDF sampling: one uniform number per row (multinomial draws one per vocabulary entry,
+    # 15x slower on CPU); right=True never lands on a zero-probability entry
+    cdf = probs.cumsum(-1)
+    u = torch.rand((len(probs), 1), device=probs.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 @torch.no_grad()
@@ -134,125 +143,313 @@ def generate(model: torch.nn.Module, ids_NP: torch.Tensor, mask_NP: torch.Tensor
     as the forward pass. Rows that produced EOS continue with padding."""
     from transformers import DynamicCache
 
-    kv = {_cache_argument(type(model)): DynamicCache()}
+    kv = {_cache_argument(model): DynamicCache()}
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in _forward_arguments(type(model)) else {}
     positions = (mask_NP.cumsum(1) - 1).clamp(min=0)
-    logits = model(input_ids=ids_NP, attention_mask=mask_NP, position_ids=positions, use_cache=True, **kv).logits[:, -1]
-    mask, pos = mask_NP, positions[:, -1:]
-    done = torch.zeros(len(ids_NP), dtype=torch.bool)
-    out = []
-    for _ in range(max_new_tokens):
+    logits = model(input_ids=ids_NP, attention_mask=mask_NP, position_ids=positions, use_cache=True, **kv, **keep).logits[:, -1]
+    n = len(ids_NP)
+    mask = torch.cat([mask_NP, torch.ones((n, max_new_tokens), dtype=mask_NP.dtype, device=mask_NP.device)], dim=1)
+    pos = positions[:, -1:]
+    done = torch.zeros(n, dtype=torch.bool, device=ids_NP.device)
+    out = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=ids_NP.device)
+    width = ids_NP.shape[1]
+    for t in range(max_new_tokens):
         token = torch.where(done, pad_id, sample_tokens(logits, temperature, top_p))  # (N,)
-        out.append(token)
+        out[:, t] = token
         done |= token == eos_id
-        if done.all() or len(out) == max_new_tokens:
-            break
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        if t + 1 == max_new_tokens or bool(done.all()):
+            return out[:, : t + 1]
         pos = pos + 1
-        logits = model(input_ids=token.unsqueeze(1), attention_mask=mask, position_ids=pos, use_cache=True, **kv).logits[:, -1]
-    return torch.stack(out, dim=1)
+        logits = model(input_ids=token.unsqueeze(1), attention_mask=mask[:, : width + t + 1], position_ids=pos, use_cache=True, **kv, **keep).logits[:, -1]
+    return out
+
+
+@dataclass(slots=True)
+class Samples:
+    """Scored completions of some prompts, G per prompt, before packing into tensors."""
+
+    records: list[dict[str, Any]]  # one per group
+    completion_ids: list[list[int]]  # per completion, up to and including EOS
+    truncated: list[bool]  # no EOS within max_new_tokens
+    texts: list[str]
+    rewards: list[float]  # weighted sum of the rewards (plus the overlong penalty)
+    reward_means: dict[str, float]
+
+    def group_signal(self, group: int) -> list[bool]:
+        """Per group: do its rewards differ (is there anything to learn from it)?"""
+        return [len(set(self.rewards[i : i + group])) > 1 for i in range(0, len(self.rewards), group)]
+
+    def select(self, groups: list[int], group: int) -> "Samples":
+        rows = [g * group + k for g in groups for k in range(group)]
+        pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
+        return Samples([self.records[g] for g in groups], pick(self.completion_ids), pick(self.truncated), pick(self.texts), pick(self.rewards), self.reward_means)
+
+    @staticmethod
+    def concat(parts: list["Samples"]) -> "Samples":
+        means: dict[str, list[float]] = {}
+        for p in parts:
+            for k, v in p.reward_means.items():
+                means.setdefault(k, []).append(v)
+        return Samples([r for p in parts for r in p.records], [c for p in parts for c in p.completion_ids], [t for p in parts for t in p.truncated],
+                       [t for p in parts for t in p.texts], [r for p in parts for r in p.rewards], {k: sum(v) / len(v) for k, v in means.items()})
+
+
+def record_fields(records: list[dict[str, Any]], repeat: int) -> dict[str, list[Any]]:
+    """Every field of the prompt records but the token ids, each repeated for the G completions."""
+    names = sorted({k for r in records for k in r} - {"ids", "prompt"})
+    return {k: [r.get(k) for r in records for _ in range(repeat)] for k in names}
+
+
+def complete(model: torch.nn.Module, records: list[dict[str, Any]], group: int, tokenizer: Any, *, max_new_tokens: int, temperature: float, top_p: float = 1.0, chunk: int = 64) -> tuple[list[list[int]], list[bool]]:
+    """`group` sampled completions per record (greedy at temperature 0), generated `chunk` rows at
+    a time: token ids up to and including EOS, and which were cut at max_new_tokens."""
+    rows = [r["ids"] for r in records for _ in range(group)]
+    device, eos, pad = device_of(model), tokenizer.eos_token_id, tokenizer.pad_token_id
+    was_training = model.training
+    model.eval()
+    ids_out: list[list[int]] = []
+    truncated: list[bool] = []
+    try:
+        for i in range(0, len(rows), chunk):
+            ids, mask = left_pad(rows[i : i + chunk], pad, device)
+            if _forward_arguments(type(model)) & {"cache", "past_key_values"}:
+                out = generate(model, ids, mask, max_new_tokens, temperature, top_p, eos, pad).tolist()
+            else:  # a model with its own decoding (the ensemble): its generate()
+                sampled = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, **sampled)[:, ids.shape[1]:].tolist()
+            for seq in out:
+                n = seq.index(eos) + 1 if eos in seq else len(seq)
+                ids_out.append(seq[:n])
+                truncated.append(eos not in seq[:n])
+    finally:
+        model.train(was_training)
+    return ids_out, truncated
+
+
+def sample_and_score(model: torch.nn.Module, records: list[dict[str, Any]], rewards: list[Reward], cfg: TrainConfig, tokenizer: Any) -> Samples:
+    """Sample G completions per record and score them (rewards + overlong shaping)."""
+    completion_ids, truncated = complete(model, records, cfg.group_size, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                                         chunk=cfg.generation_batch_size or cfg.batch_size * cfg.group_size)
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    prompts = [r["prompt"] for r in records for _ in range(cfg.group_size)]
+    values, means = score(rewards, prompts, texts, completion_ids, record_fields(records, cfg.group_size))
+    if cfg.overlong == "soft":
+        penalty = overlong_penalty([len(c) for c in completion_ids], cfg.max_new_tokens, cfg.overlong_buffer)
+        values = [v + p for v, p in zip(values, penalty)]
+        means["overlong_penalty"] = sum(penalty) / len(penalty)
+    return Samples(records, completion_ids, truncated, texts, values, means)
+
+
+# -- rollouts ---------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Rollout:
+    """One rollout's completions as tensors: ids, masks, rewards, advantages, sampling log-probs."""
+
+    ids_NT: torch.Tensor  # prompt (left-padded) + completion
+    attention_NT: torch.Tensor
+    prompt_len: int
+    completion_mask_NC: torch.Tensor  # real completion tokens (up to EOS, included)
+    loss_mask_NC: torch.Tensor  # the tokens that count in the loss (overlong=mask drops cut completions)
+    advantages_N: torch.Tensor
+    rewards_N: torch.Tensor
+    old_logp_NC: torch.Tensor | None
+    ref_logp_NC: torch.Tensor | None
+    reward_means: dict[str, float]
+    completions: list[str]
+    truncated_N: torch.Tensor
+    seconds: float
+    stats: dict[str, float]  # sampling statistics (dropped groups, rounds)
+
+
+def pack(records: list[dict[str, Any]], completion_ids: list[list[int]], group: int, pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """(prompt + completion ids, attention, P, completion mask): prompts left-padded to one width,
+    completions right-padded."""
+    prompt, pmask = left_pad([r["ids"] for r in records for _ in range(group)], pad_id)
+    width = max(len(c) for c in completion_ids)
+    comp = torch.full((len(completion_ids), width), pad_id, dtype=torch.long)
+    cmask = torch.zeros((len(completion_ids), width), dtype=torch.long)
+    for i, c in enumerate(completion_ids):
+        comp[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+        cmask[i, : len(c)] = 1
+    return torch.cat([prompt, comp], 1).to(device), torch.cat([pmask, cmask], 1).to(device), prompt.shape[1], cmask.to(device)
+
+
+def completion_logprobs(model: torch.nn.Module, ids_NT: torch.Tensor, attention_NT: torch.Tensor, prompt_len: int, temperature: float, entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log pi(token) of each completion token, (N, C), at the sampling temperature (and, with
+    `entropy`, each position's entropy). Only the completion's logits are materialised."""
+    c = ids_NT.shape[1] - prompt_len
+    positions = (attention_NT.cumsum(1) - 1).clamp(min=0)
+    core = getattr(model, "module", model)  # DDP keeps the model in .module
+    keep = {"logits_to_keep": c + 1} if "logits_to_keep" in _forward_arguments(type(core)) else {}
+    logits = model(input_ids=ids_NT, attention_mask=attention_NT, position_ids=positions, **keep).logits
+    logits = logits[:, -(c + 1) : -1].float() / temperature  # predictions of the completion tokens, (N, C, V)
+    lse = torch.logsumexp(logits, -1)
+    logp = logits.gather(-1, ids_NT[:, prompt_len:].unsqueeze(-1)).squeeze(-1) - lse
+    if not entropy:
+        return logp
+    with torch.no_grad():
+        ent = lse - (torch.softmax(logits, -1) * logits).sum(-1)
+    return logp, ent
 
 
 @torch.no_grad()
-def sample(model: torch.nn.Module, prompts: list[list[int]], cfg: TrainConfig, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
-    """G completions per prompt, batched: (prompt + completion ids, attention, P, completion mask)."""
-    ids, mask = left_pad([p for p in prompts for _ in range(cfg.group_size)], tokenizer.pad_token_id)
-    was_training = model.training
-    model.eval()
-    completion = generate(model, ids, mask, cfg.max_new_tokens, cfg.temperature, cfg.top_p, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    model.train(was_training)
-    out = torch.cat([ids, completion], dim=1)
-    is_eos = completion == tokenizer.eos_token_id
-    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full((len(completion),), completion.shape[1]))
-    cmask = (torch.arange(completion.shape[1]).unsqueeze(0) <= first_eos.unsqueeze(1)).long()  # up to EOS, included
-    attention = torch.cat([mask, cmask], dim=1)
-    return out, attention, ids.shape[1], cmask
+def _logprobs_in_chunks(model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, p: int, temperature: float, rows: int) -> torch.Tensor:
+    return torch.cat([completion_logprobs(model, ids[i : i + rows], attention[i : i + rows], p, temperature) for i in range(0, len(ids), rows)])
+
+
+def to_rollout(samples: Samples, model: torch.nn.Module, ref_model: torch.nn.Module | None, cfg: TrainConfig, tokenizer: Any, seconds: float, stats: dict[str, float] | None = None) -> Rollout:
+    """Pack scored samples into tensors; advantages; old / reference log-probs when needed."""
+    device = device_of(model)
+    ids, attention, p, cmask = pack(samples.records, samples.completion_ids, cfg.group_size, tokenizer.pad_token_id, device)
+    rewards = torch.tensor(samples.rewards, dtype=torch.float32, device=device)
+    truncated = torch.tensor(samples.truncated, dtype=torch.bool, device=device)
+    loss_mask = cmask * (~truncated).long().unsqueeze(1) if cfg.overlong == "mask" else cmask
+    rows = cfg.batch_size * cfg.group_size
+    old = _logprobs_in_chunks(model, ids, attention, p, cfg.temperature, rows) if cfg.iterations > 1 else None
+    ref = _logprobs_in_chunks(ref_model, ids, attention, p, cfg.temperature, rows) if ref_model is not None else None
+    return Rollout(ids, attention, p, cmask, loss_mask, group_advantages(rewards, cfg.group_size, cfg.scale_rewards), rewards, old, ref,
+                   samples.reward_means, samples.texts, truncated, seconds, stats or {})
 
 
 def rollout(model: torch.nn.Module, ref_model: torch.nn.Module | None, records: list[dict[str, Any]], rewards: list[Reward], cfg: TrainConfig, tokenizer: Any) -> Rollout:
-    """Sample, score and compute advantages (and old / reference log-probs when needed)."""
+    """Sample, score and pack the completions of `records` (no dynamic sampling)."""
     t0 = time.perf_counter()
-    ids, attention, p, cmask = sample(model, [r["ids"] for r in records], cfg, tokenizer)
-    texts = tokenizer.batch_decode(torch.where(cmask.bool(), ids[:, p:], tokenizer.pad_token_id), skip_special_tokens=True)
-    prompts = [r["prompt"] for r in records for _ in range(cfg.group_size)]
-    answers = [r["answer"] for r in records for _ in range(cfg.group_size)]
-    values, means = score(rewards, prompts, texts, answers)
-    r = torch.tensor(values, dtype=torch.float32)
-    old = ref = None
-    with torch.no_grad():
-        if cfg.iterations > 1:
-            old = completion_logprobs(model, ids, attention, p, cfg.temperature)
-        if ref_model is not None:
-            ref = completion_logprobs(ref_model, ids, attention, p, cfg.temperature)
-    return Rollout(ids, attention, p, cmask, group_advantages(r, cfg.group_size, cfg.scale_rewards), r, old, ref, means, texts, time.perf_counter() - t0)
+    samples = sample_and_score(model, records, rewards, cfg, tokenizer)
+    return to_rollout(samples, model, ref_model, cfg, tokenizer, time.perf_counter() - t0)
 
 
-def check_prompts(records: list[dict[str, Any]], rewards: list[Reward], dataset: str) -> None:
-    """A reward that needs answers needs a dataset that has them."""
-    needy = [r.spec for r in rewards if r.needs_answers]
-    if needy and not any(rec["answer"].strip() for rec in records):
-        raise DataError(f"reward {needy[0]!r} needs answers but dataset {dataset!r} has none: shard prompts with --answer-field")
+def check_prompts(records: list[dict[str, Any]], rewards: list[Reward], dataset: str, context: int | None = None, max_new_tokens: int = 0) -> None:
+    """Gold answers every reward can read, and prompts that fit the model's context with their
+    completion."""
+    check_answers(rewards, records, dataset)
+    if context is not None:
+        for i, r in enumerate(records):
+            if len(r["ids"]) + max_new_tokens > context:
+                name = r.get("id", f"record {i}")
+                raise DataError(f"dataset {dataset!r}: prompt {name!r} has {len(r['ids'])} tokens, with max_new_tokens {max_new_tokens} more than the model's context of {context}: shorten it, or lower --max-new-tokens")
 
 
 # -- one optimizer step -----------------------------------------------------------------------------
 def grpo_backward(model: torch.nn.Module, acc: Any, ro: Rollout, cfg: TrainConfig, micro_rows: list[slice]) -> dict[str, float]:
     """Loss and gradients of one rollout, micro-batch by micro-batch (sums to the step's loss)."""
     n = len(ro.advantages_N)
-    tokens = int(ro.completion_mask_NC.sum())
+    tokens = int(ro.loss_mask_NC.sum())
     eps_high = cfg.epsilon_high or cfg.epsilon
-    total, clipped, kl_sum = 0.0, 0, 0.0
+    total, low, high, kl_sum, ent_sum = 0.0, 0, 0, 0.0, 0.0
     for rows in micro_rows:
-        mask = ro.completion_mask_NC[rows].float()
-        logp = completion_logprobs(model, ro.ids_NT[rows], ro.attention_NT[rows], ro.prompt_len, cfg.temperature)
+        mask = ro.loss_mask_NC[rows].float()
+        logp, ent = completion_logprobs(model, ro.ids_NT[rows], ro.attention_NT[rows], ro.prompt_len, cfg.temperature, entropy=True)
         old = logp.detach() if ro.old_logp_NC is None else ro.old_logp_NC[rows]
-        per_token, is_clipped = clipped_surrogate(logp, old, ro.advantages_N[rows], cfg.epsilon, eps_high)
+        adv = ro.advantages_N[rows]
+        per_token, _ = clipped_surrogate(logp, old, adv, cfg.epsilon, eps_high)
         if ro.ref_logp_NC is not None and cfg.beta > 0:
             kl = kl_k3(logp, ro.ref_logp_NC[rows])
             per_token = per_token + cfg.beta * kl
             kl_sum += float((kl.detach() * mask).sum())
-        loss = reduce_loss(per_token, mask, cfg.loss, n, tokens, cfg.max_new_tokens)
+        loss = reduce_loss(per_token, mask, cfg.loss, n, tokens, cfg.max_new_tokens, len(micro_rows))
         acc.backward(loss)
         total += float(loss.detach())
-        clipped += int((is_clipped.float() * mask).sum())
+        with torch.no_grad():
+            rho, a = torch.exp(logp.detach() - old), adv.unsqueeze(1)
+            low += int((((rho < 1 - cfg.epsilon) & (a < 0)).float() * mask).sum())  # TRL's clip_ratio/low
+            high += int((((rho > 1 + eps_high) & (a > 0)).float() * mask).sum())
+            ent_sum += float((ent * mask).sum())
     groups = ro.rewards_N.view(-1, cfg.group_size)
+    lengths = ro.completion_mask_NC.sum(1).float()
     return {
-        "loss": total, "tokens": tokens, "reward_mean": float(ro.rewards_N.mean()), "reward_std": float(ro.rewards_N.std()) if n > 1 else 0.0,
-        "zero_variance_groups": float((groups.std(1) == 0).float().mean()), "completion_length": tokens / n,
-        "kl": kl_sum / max(1, tokens), "clip_fraction": clipped / max(1, tokens), "completions_per_s": n / max(1e-9, ro.seconds),
-        **{f"reward/{k}": v for k, v in ro.reward_means.items()},
+        "loss": total, "tokens": int(ro.completion_mask_NC.sum()), "reward_mean": float(ro.rewards_N.mean()), "reward_std": float(ro.rewards_N.std()) if n > 1 else 0.0,
+        "zero_variance_groups": float((groups.std(1) == 0).float().mean()), "completion_length": float(lengths.mean()),
+        "completion_length_min": float(lengths.min()), "completion_length_max": float(lengths.max()), "truncated": float(ro.truncated_N.float().mean()),
+        "entropy": ent_sum / max(1, tokens), "kl": kl_sum / max(1, tokens), "clip_fraction": (low + high) / max(1, tokens),
+        "clip_low": low / max(1, tokens), "clip_high": high / max(1, tokens), "completions_per_s": n / max(1e-9, ro.seconds),
+        **ro.stats, **{f"reward/{k}": v for k, v in ro.reward_means.items()},
     }
 
 
 class GRPOStep:
-    """The `paths train --mode grpo` step: a rollout every `iterations` optimizer steps."""
+    """The `paths train --mode grpo` step: a rollout every `iterations` optimizer steps; with
+    `dynamic_sampling`, prompts are drawn until `grad_accum x batch_size` groups have signal."""
 
-    def __init__(self, cfg: TrainConfig, records: list[dict[str, Any]], rewards: list[Reward], tokenizer: Any, ref_model: torch.nn.Module | None=None):
-        self.cfg, self.records, self.rewards, self.tokenizer, self.ref_model = cfg, records, rewards, tokenizer, ref_model
+    def __init__(self, cfg: TrainConfig, records: list[dict[str, Any]], rewards: list[Reward], tokenizer: Any, ref_model: torch.nn.Module | None = None, dataset: str = "?"):
+        self.cfg, self.records, self.rewards, self.tokenizer, self.ref_model, self.dataset = cfg, records, rewards, tokenizer, ref_model, dataset
         self.current: Rollout | None = None
         self.used = 0
+        self.ref_ready = False
+        self.rollouts = self.silent = 0  # rollouts taken, and how many had no signal at all
         self.checkpoint_multiple = cfg.iterations  # rollouts are not saved: checkpoint between them
 
     def __call__(self, model: torch.nn.Module, acc: Any, it: Any) -> dict[str, float]:
+        if self.ref_model is not None and not self.ref_ready:  # like the policy: device, precision
+            if acc.mixed_precision == "bf16":
+                self.ref_model.to(torch.bfloat16)
+            self.ref_model, self.ref_ready = acc.prepare_model(self.ref_model, evaluation_mode=True), True
         if self.current is None or self.used == self.cfg.iterations:
-            batches = [next(it) for _ in range(self.cfg.grad_accum)]
-            chosen = [self.records[int(i)] for b in batches for i in b["index"]]
-            self.current, self.used = rollout(model, self.ref_model, chosen, self.rewards, self.cfg, self.tokenizer), 0
+            self.current, self.used = self.next_rollout(model, acc, it), 0
         self.used += 1
         rows = self.cfg.batch_size * self.cfg.group_size
         n = len(self.current.advantages_N)
         return grpo_backward(model, acc, self.current, self.cfg, [slice(i, i + rows) for i in range(0, n, rows)])
 
+    def next_rollout(self, model: torch.nn.Module, acc: Any, it: Any) -> Rollout:
+        cfg, t0 = self.cfg, time.perf_counter()
+        self.rollouts += 1
+        policy = acc.unwrap_model(model)  # sampling needs no gradient sync; the autocast wrapper stays
+        need = cfg.grad_accum * cfg.batch_size
+        kept: list[Samples] = []
+        have = drawn = rounds = 0
+        while True:
+            records = [self.records[int(i)] for _ in range(cfg.grad_accum) for i in next(it)["index"]]
+            samples = sample_and_score(policy, records, self.rewards, cfg, self.tokenizer)
+            rounds, drawn = rounds + 1, drawn + len(records)
+            if not cfg.dynamic_sampling:
+                kept, have = [samples], len(records)
+                break
+            signal = [g for g, s in enumerate(samples.group_signal(cfg.group_size)) if s]
+            kept.append(samples.select(signal[: need - have], cfg.group_size))
+            have += len(signal[: need - have])
+            if _all_ranks(acc, have >= need):
+                break
+            if rounds >= cfg.max_sampling_rounds:
+                raise DataError(f"dynamic sampling found {have} of {need} prompt groups with signal in {rounds} rounds ({drawn} prompts) of dataset {self.dataset!r}: "
+                                "raise max_sampling_rounds, use easier prompts or a larger group_size, or turn dynamic_sampling off")
+        samples = Samples.concat(kept)
+        stats = {"dropped_groups": float(drawn - have) if cfg.dynamic_sampling else 0.0, "sampling_rounds": float(rounds)}
+        if not cfg.dynamic_sampling and not any(samples.group_signal(cfg.group_size)):
+            self.silent += 1
+            if self.silent in (1, 10) or self.silent % 100 == 0:  # the first time, then now and then
+                log.warning("grpo: no group of rollout %d had reward variance (%d prompts x %d; %d such rollouts so far): those steps learn nothing; "
+                            "turn on dynamic_sampling, or use prompts the model sometimes solves", self.rollouts, len(samples.records), cfg.group_size, self.silent)
+        return to_rollout(samples, model, self.ref_model, cfg, self.tokenizer, time.perf_counter() - t0, stats)
+
+
+def _all_ranks(acc: Any, flag: bool) -> bool:
+    """True when `flag` holds on every rank (so all ranks sample the same number of rounds)."""
+    if acc.num_processes == 1:
+        return flag
+    t = torch.tensor([0 if flag else 1], device=acc.device)
+    return int(acc.reduce(t, reduction="sum")) == 0
+
+
+class HeldoutReward(Callback):
+    """Every `every` steps, the mean reward of greedy completions of held-out prompts, added to
+    that step's metrics record as `heldout_reward` (and each reward's `heldout/<spec>`)."""
+
+    def __init__(self, records: list[dict[str, Any]], rewards: list[Reward], tokenizer: Any, every: int, max_new_tokens: int):
+        self.records, self.rewards, self.tokenizer, self.every, self.max_new_tokens = records, rewards, tokenizer, every, max_new_tokens
+
+    def stepped(self, trainer: Any, record: dict[str, Any]) -> None:
+        if self.every and self.records and (trainer.step % self.every == 0 or trainer.step == trainer.cfg.steps):
+            scores = evaluate(trainer.unwrapped, self.tokenizer, self.records, self.rewards, self.max_new_tokens)
+            record["heldout_reward"] = scores["reward"]
+            record.update({f"heldout/{k}": v for k, v in scores.items() if k not in ("reward", "prompts")})
+
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, tokenizer: Any, records: list[dict[str, Any]], rewards: list[Reward], max_new_tokens: int, batch: int = 32) -> dict[str, float]:
+def evaluate(model: torch.nn.Module, tokenizer: Any, records: list[dict[str, Any]], rewards: list[Reward], max_new_tokens: int, batch: int = 64) -> dict[str, float]:
     """Mean of each reward (and their weighted sum) over greedy completions of the records."""
-    was_training = model.training
-    model.eval()
-    texts: list[str] = []
-    for i in range(0, len(records), batch):
-        chunk = records[i : i + batch]
-        ids, mask = left_pad([r["ids"] for r in chunk], tokenizer.pad_token_id)
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        texts += tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
-    model.train(was_training)
-    total, means = score(rewards, [r["prompt"] for r in records], texts, [r["answer"] for r in records])
-    return {"reward": sum(total) / max(1, len(total)), **means, "prompts": len(records)}
+    if not records:
+        return {"reward": 0.0, "prompts": 0}
+    completion_ids, _ = complete(model, records, 1, tokenizer, max_new_tokens=max_new_tokens, temperature=0.0, chunk=batch)
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    total, means = score(rewards, [r["prompt"] for r in records], texts, completion_ids, record_fields(records, 1))
+    return {"reward": sum(total) / len(total), **means, "prompts": len(records)}

@@ -187,6 +187,7 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
             from paths.families import get_family
 
             freeze_shared(model, get_family(require_base(run)["base"]["family"]), model.config.num_hidden_layers)
+        extra: list[Callback] = []
         common = dict(seed=cfg.seed, batch_size=cfg.batch_size, rank=acc.process_index, world_size=acc.num_processes)
         if mode == "lm":
             data = PathDataset(run, dataset, shard_id, cfg.seq_len, **common)
@@ -197,14 +198,20 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
             data = SFTDataset(run, dataset, shard_id, cfg.seq_len, tokenizer, **common)
             step = LMStep(cfg)
         else:
-            from paths.work.grpo import GRPOStep, check_prompts
+            from paths.work.grpo import GRPOStep, HeldoutReward, check_prompts
             from paths.work.sft_data import PromptDataset
+            from sharding.dataset import read_prompts
 
             data = PromptDataset(run, dataset, shard_id, cfg.seq_len, **common)
-            check_prompts(data.records, reward_fns, dataset)
-            ref = AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32).eval() if cfg.beta > 0 else None
-            step = GRPOStep(cfg, data.records, reward_fns, tokenizer, ref)
+            check_prompts(data.records, reward_fns, dataset, model.config.max_position_embeddings, cfg.max_new_tokens)
+            ref = AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32).eval().requires_grad_(False) if cfg.beta > 0 else None
+            step = GRPOStep(cfg, data.records, reward_fns, tokenizer, ref, dataset)
+            if cfg.eval_every and acc.is_main_process:
+                heldout = read_prompts(run, dataset, shard_id, "heldout")[: cfg.eval_prompts]
+                check_prompts(heldout, reward_fns, dataset, model.config.max_position_embeddings, cfg.max_new_tokens)
+                extra.append(HeldoutReward(heldout, reward_fns, tokenizer, cfg.eval_every, cfg.max_new_tokens))
         callbacks: list[Callback] = [LeaseKeeper(lease)] if lease is not None and acc.is_main_process else []
+        callbacks += extra
         trainer = Trainer(
             run, path_id, {"mode": mode, "dataset": dataset, "freeze": cfg.freeze}, cfg, model, step,
             ShardBatches(data, cfg.batch_size, cfg.seed, cfg.num_workers), acc,

@@ -25,3 +25,25 @@ def test_flexolmo_scenario_composes_and_opts_out(tmp_path):
         assert "left out p02: experts [2] removed from every layer (3 left)" in result.stdout
         assert "composed:flexolmo-no-math" in result.stdout and "all checksums match" in result.stdout
     assert "p00 (code): already trained" in result.stdout
+
+
+def test_rl_scenario_raises_accuracy_and_the_composed_moe_keeps_it(tmp_path):
+    """SFT cold start, upcycle, GRPO per path, compose: held-out math_answer accuracy rises over
+    the seed on every path and on the composed MoE (the quickstart prints the table)."""
+    import json
+
+    from storage.layout import open_run
+
+    root = str(tmp_path / "rl")
+    result = CliRunner().invoke(main, ["quickstart", "--scenario", "rl", "--root", root], catch_exceptions=False)
+    assert result.exit_code == 0, result.stderr
+    assert "math_answer accuracy on arith (heldout)" in result.stdout and "all checksums match" in result.stdout
+    run = open_run(root)
+    table = json.loads(run.store.read(run.store.list("eval/arith")[-1].key))["table"]
+    seed = table["base"]["overall"]
+    assert 0.1 < seed < 0.9, table  # the cold start solves some, not all
+    for model in ("path:p00", "path:p01", "composed:rl"):
+        assert table[model]["overall"] > seed + 0.05, (model, table)
+    metrics = [json.loads(x) for x in run.store.read("work/p00/metrics.jsonl").decode().splitlines()]
+    solved = [m["reward/math_answer"] for m in metrics]
+    assert "heldout_reward" in metrics[9] and sum(solved[-20:]) > sum(solved[:20])  # the sampled completions improve too

@@ -15,3 +15,17 @@ def not_a_number(prompts, completions, answers):
 
 
 NOT_CALLABLE = 3
+
+
+def level_one_only(prompts, completions, completion_ids, level, **kwargs):
+    """TRL's keyword convention, reading the record's `level` field: the even-first-character
+    reward on level-1 prompts, a constant (no signal) on the others."""
+    return [(1.0 if c and ord(c[0]) % 2 == 0 else 0.0) if lv == 1 else 0.5 for c, lv in zip(completions, level)]
+
+
+def always_one(prompts, completions, answers):
+    return [1.0] * len(completions)
+
+
+def never_applies(prompts, completions, completion_ids, **kwargs):
+    return [None] * len(completions)
