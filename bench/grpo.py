@@ -60,6 +60,10 @@ def child_ours(work: str, a) -> dict:
 
     import accelerate  # noqa: F401  (imports are outside the timed part, as TRL's are)
     import transformers.models.mistral.modeling_mistral  # noqa: F401
+    import zarr  # noqa: F401
+
+    import paths.work.grpo  # noqa: F401
+    import sharding.dataset  # noqa: F401
 
     run = open_run(os.path.join(work, "run"))
     run.store.delete_prefix("work")

@@ -218,6 +218,7 @@ def rl_scenario(root: str = RL_ROOT) -> Scenario:
         Command(["compose", root, "--into", "moe", "--name", "rl", "--overwrite"]),
         Command(["eval", root, "--dataset", "arith", *(a for m in models for a in ("--model", m))],
                 note="held-out math_answer accuracy (greedy); base is the upcycled seed: the SFT cold start, before GRPO"),
+        Action("what GRPO did (from the eval just written)", lambda: _rl_gain(root)),
         Command(["rejection-sample", root, "--model", "composed:rl", "--dataset", "arith", "--shard", "p00", "--n", "4", *RL_REWARDS[:2], "--out", accepted, "--no-progress"],
                 note="(R1's stage 3: verified completions, ready for `paths shard --kind prompts --answer-field completion` and --mode sft)"),
         Command(["storage", "verify", root]),
@@ -269,6 +270,22 @@ def _has_expert(root: str, name: str) -> str | None:
     if not run.store.exists(f"{run.expert(name)}/manifest.json"):
         return None
     return f"(expert {name} is already registered: {expert_info(run, name)['parameters']:,} parameters)"
+
+
+def _rl_gain(root: str) -> str:
+    """The seed's, each path's and the composed MoE's overall held-out accuracy, as gains."""
+    import json
+
+    run = _run(root)
+    table = json.loads(run.store.read(run.store.list("eval/arith")[-1].key))["table"]
+    seed = table["base"]["overall"]
+    paths = {m: row["overall"] for m, row in table.items() if m.startswith("path:")}
+    mean = sum(paths.values()) / len(paths)
+    composed = table["composed:rl"]["overall"]
+    kept = (composed - seed) / (mean - seed) if mean > seed else float("nan")
+    shown = ", ".join(f"{m} {v:.3f} ({v - seed:+.3f})" for m, v in paths.items())
+    return (f"seed (SFT cold start) {seed:.3f}; after GRPO: {shown}; composed MoE {composed:.3f} ({composed - seed:+.3f}, "
+            f"{kept:.0%} of the paths' mean gain)")
 
 
 def _write_json(path: str, body: Any) -> str:

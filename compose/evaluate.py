@@ -46,7 +46,7 @@ def perplexity(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, batch: 
 
 def evaluate(run: Run, dataset: str, models: list[str], *, split: str = "heldout", seq_len: int = 256, max_tokens: int = 50_000) -> dict[str, Any]:
     """Scores of every model on every path shard of the dataset; also written to the run."""
-    from paths.work.grpo import evaluate as reward_eval
+    from paths.work.sampling import evaluate as reward_eval
     from paths.work.rewards import load_reward
     from sharding.dataset import dataset_manifest, read_prompts, read_tokens
 

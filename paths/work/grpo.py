@@ -18,8 +18,6 @@ Shapes: N completions (prompts x G), P prompt tokens (left-padded), C completion
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 import time
 from dataclasses import dataclass
@@ -29,7 +27,8 @@ import torch
 
 from paths.errors import ConfigurationError, DataError
 from paths.trainer import Callback
-from paths.work.rewards import Reward, check_answers, score
+from paths.work.rewards import Reward, score
+from paths.work.sampling import complete, device_of, evaluate, forward_arguments, left_pad, record_fields
 
 if TYPE_CHECKING:
     from paths.train_config import TrainConfig
@@ -91,79 +90,7 @@ def reduce_loss(per_token_NC: torch.Tensor, mask_NC: torch.Tensor, loss: LossTyp
     raise ConfigurationError(f"unknown --loss {loss!r}: use grpo, bnpo, dr_grpo or dapo")
 
 
-# -- sampling ---------------------------------------------------------------------------------------
-def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, attention mask), left-padded so every completion starts at the same column."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p):] = 1
-    return ids.to(device), mask.to(device)
-
-
-def device_of(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
-@functools.cache
-def _forward_arguments(model_class: type) -> frozenset[str]:
-    return frozenset(inspect.signature(model_class.forward).parameters)
-
-
-def _cache_argument(model: torch.nn.Module) -> str:
-    """transformers >= 5.x names the KV-cache argument `cache`; older releases `past_key_values`.
-    Inspected on the model itself, not on a DDP or compile wrapper."""
-    return "cache" if "cache" in _forward_arguments(type(model)) else "past_key_values"
-
-
-def sample_tokens(logits_NV: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """One token per row from softmax(logits / temperature), restricted to the top-p nucleus;
-    temperature 0 is greedy."""
-    if temperature == 0:
-        return logits_NV.argmax(-1)
-    probs = torch.softmax(logits_NV.float() / temperature, -1)
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(-1, descending=True)
-        outside = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest set reaching top_p
-        sorted_p[outside] = 0.0
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    # inverse-CDF sampling: one uniform number per row (multinomial draws one per vocabulary entry,
-    # 15x slower on CPU); right=True never lands on a zero-probability entry
-    cdf = probs.cumsum(-1)
-    u = torch.rand((len(probs), 1), device=probs.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
-
-
-@torch.no_grad()
-def generate(model: torch.nn.Module, ids_NP: torch.Tensor, mask_NP: torch.Tensor, max_new_tokens: int, temperature: float, top_p: float, eos_id: int, pad_id: int) -> torch.Tensor:
-    """Sampled completions (N, C) with a KV cache: one prefill, then one token per forward.
-    A lean loop instead of `generate()`: for small models its per-token bookkeeping costs as much
-    as the forward pass. Rows that produced EOS continue with padding."""
-    from transformers import DynamicCache
-
-    kv = {_cache_argument(model): DynamicCache()}
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in _forward_arguments(type(model)) else {}
-    positions = (mask_NP.cumsum(1) - 1).clamp(min=0)
-    logits = model(input_ids=ids_NP, attention_mask=mask_NP, position_ids=positions, use_cache=True, **kv, **keep).logits[:, -1]
-    n = len(ids_NP)
-    mask = torch.cat([mask_NP, torch.ones((n, max_new_tokens), dtype=mask_NP.dtype, device=mask_NP.device)], dim=1)
-    pos = positions[:, -1:]
-    done = torch.zeros(n, dtype=torch.bool, device=ids_NP.device)
-    out = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=ids_NP.device)
-    width = ids_NP.shape[1]
-    for t in range(max_new_tokens):
-        token = torch.where(done, pad_id, sample_tokens(logits, temperature, top_p))  # (N,)
-        out[:, t] = token
-        done |= token == eos_id
-        if t + 1 == max_new_tokens or bool(done.all()):
-            return out[:, : t + 1]
-        pos = pos + 1
-        logits = model(input_ids=token.unsqueeze(1), attention_mask=mask[:, : width + t + 1], position_ids=pos, use_cache=True, **kv, **keep).logits[:, -1]
-    return out
-
-
+# -- sampling and scoring ----------------------------------------------------------------------------
 @dataclass(slots=True)
 class Samples:
     """Scored completions of some prompts, G per prompt, before packing into tensors."""
@@ -192,38 +119,6 @@ class Samples:
                 means.setdefault(k, []).append(v)
         return Samples([r for p in parts for r in p.records], [c for p in parts for c in p.completion_ids], [t for p in parts for t in p.truncated],
                        [t for p in parts for t in p.texts], [r for p in parts for r in p.rewards], {k: sum(v) / len(v) for k, v in means.items()})
-
-
-def record_fields(records: list[dict[str, Any]], repeat: int) -> dict[str, list[Any]]:
-    """Every field of the prompt records but the token ids, each repeated for the G completions."""
-    names = sorted({k for r in records for k in r} - {"ids", "prompt"})
-    return {k: [r.get(k) for r in records for _ in range(repeat)] for k in names}
-
-
-def complete(model: torch.nn.Module, records: list[dict[str, Any]], group: int, tokenizer: Any, *, max_new_tokens: int, temperature: float, top_p: float = 1.0, chunk: int = 64) -> tuple[list[list[int]], list[bool]]:
-    """`group` sampled completions per record (greedy at temperature 0), generated `chunk` rows at
-    a time: token ids up to and including EOS, and which were cut at max_new_tokens."""
-    rows = [r["ids"] for r in records for _ in range(group)]
-    device, eos, pad = device_of(model), tokenizer.eos_token_id, tokenizer.pad_token_id
-    was_training = model.training
-    model.eval()
-    ids_out: list[list[int]] = []
-    truncated: list[bool] = []
-    try:
-        for i in range(0, len(rows), chunk):
-            ids, mask = left_pad(rows[i : i + chunk], pad, device)
-            if _forward_arguments(type(model)) & {"cache", "past_key_values"}:
-                out = generate(model, ids, mask, max_new_tokens, temperature, top_p, eos, pad).tolist()
-            else:  # a model with its own decoding (the ensemble): its generate()
-                sampled = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
-                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, **sampled)[:, ids.shape[1]:].tolist()
-            for seq in out:
-                n = seq.index(eos) + 1 if eos in seq else len(seq)
-                ids_out.append(seq[:n])
-                truncated.append(eos not in seq[:n])
-    finally:
-        model.train(was_training)
-    return ids_out, truncated
 
 
 def sample_and_score(model: torch.nn.Module, records: list[dict[str, Any]], rewards: list[Reward], cfg: TrainConfig, tokenizer: Any) -> Samples:
@@ -280,7 +175,7 @@ def completion_logprobs(model: torch.nn.Module, ids_NT: torch.Tensor, attention_
     c = ids_NT.shape[1] - prompt_len
     positions = (attention_NT.cumsum(1) - 1).clamp(min=0)
     core = getattr(model, "module", model)  # DDP keeps the model in .module
-    keep = {"logits_to_keep": c + 1} if "logits_to_keep" in _forward_arguments(type(core)) else {}
+    keep = {"logits_to_keep": c + 1} if "logits_to_keep" in forward_arguments(type(core)) else {}
     logits = model(input_ids=ids_NT, attention_mask=attention_NT, position_ids=positions, **keep).logits
     logits = logits[:, -(c + 1) : -1].float() / temperature  # predictions of the completion tokens, (N, C, V)
     lse = torch.logsumexp(logits, -1)
@@ -316,17 +211,6 @@ def rollout(model: torch.nn.Module, ref_model: torch.nn.Module | None, records: 
     t0 = time.perf_counter()
     samples = sample_and_score(model, records, rewards, cfg, tokenizer)
     return to_rollout(samples, model, ref_model, cfg, tokenizer, time.perf_counter() - t0)
-
-
-def check_prompts(records: list[dict[str, Any]], rewards: list[Reward], dataset: str, context: int | None = None, max_new_tokens: int = 0) -> None:
-    """Gold answers every reward can read, and prompts that fit the model's context with their
-    completion."""
-    check_answers(rewards, records, dataset)
-    if context is not None:
-        for i, r in enumerate(records):
-            if len(r["ids"]) + max_new_tokens > context:
-                name = r.get("id", f"record {i}")
-                raise DataError(f"dataset {dataset!r}: prompt {name!r} has {len(r['ids'])} tokens, with max_new_tokens {max_new_tokens} more than the model's context of {context}: shorten it, or lower --max-new-tokens")
 
 
 # -- one optimizer step -----------------------------------------------------------------------------
@@ -444,12 +328,3 @@ class HeldoutReward(Callback):
             record.update({f"heldout/{k}": v for k, v in scores.items() if k not in ("reward", "prompts")})
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, tokenizer: Any, records: list[dict[str, Any]], rewards: list[Reward], max_new_tokens: int, batch: int = 64) -> dict[str, float]:
-    """Mean of each reward (and their weighted sum) over greedy completions of the records."""
-    if not records:
-        return {"reward": 0.0, "prompts": 0}
-    completion_ids, _ = complete(model, records, 1, tokenizer, max_new_tokens=max_new_tokens, temperature=0.0, chunk=batch)
-    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    total, means = score(rewards, [r["prompt"] for r in records], texts, completion_ids, record_fields(records, 1))
-    return {"reward": sum(total) / len(total), **means, "prompts": len(records)}

@@ -198,7 +198,8 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
             data = SFTDataset(run, dataset, shard_id, cfg.seq_len, tokenizer, **common)
             step = LMStep(cfg)
         else:
-            from paths.work.grpo import GRPOStep, HeldoutReward, check_prompts
+            from paths.work.grpo import GRPOStep, HeldoutReward
+            from paths.work.sampling import check_prompts
             from paths.work.sft_data import PromptDataset
             from sharding.dataset import read_prompts
 

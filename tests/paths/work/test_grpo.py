@@ -199,7 +199,7 @@ def test_lean_sampler_matches_the_model_and_keeps_the_cache_right(rl_run, tmp_pa
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from paths.models import materialize
-    from paths.work.grpo import generate, left_pad
+    from paths.work.sampling import generate, left_pad
     from sharding.dataset import read_prompts
 
     materialize(rl_run, "p00", str(tmp_path / "m"))
@@ -210,3 +210,20 @@ def test_lean_sampler_matches_the_model_and_keeps_the_cache_right(rl_run, tmp_pa
     ours = generate(model, ids, mask, 8, 1e-6, 1.0, eos_id=-1, pad_id=tok.pad_token_id)
     theirs = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=8, min_new_tokens=8, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
     assert torch.equal(ours, theirs)
+
+
+def test_a_group_prefilled_once_samples_what_separate_prompts_sample(rl_run, tmp_path):
+    """One prefill per prompt, its KV cache copied for the G completions (near-greedy, so the
+    draws are fixed): the same tokens as prefilling every copy."""
+    from transformers import AutoModelForCausalLM
+
+    from paths.models import materialize
+    from paths.work.sampling import generate, left_pad
+    from sharding.dataset import read_prompts
+
+    materialize(rl_run, "p00", str(tmp_path / "m"))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), dtype=torch.float32).eval()
+    prompts = [r["ids"] for r in read_prompts(rl_run, "rl", "p00")[:3]]
+    once = generate(model, *left_pad(prompts, 0), 6, 1e-6, 1.0, eos_id=-1, pad_id=0, repeats=4)
+    each = generate(model, *left_pad([p for p in prompts for _ in range(4)], 0), 6, 1e-6, 1.0, eos_id=-1, pad_id=0)
+    assert once.shape == (12, 6) and torch.equal(once, each)

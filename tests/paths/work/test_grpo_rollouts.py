@@ -15,8 +15,9 @@ from cli.main import main
 from paths.errors import ConfigurationError, DataError
 from paths.train_config import load_config
 from paths.units import decomposed_paths
-from paths.work.grpo import GRPOStep, check_prompts, overlong_penalty, reduce_loss, rollout
+from paths.work.grpo import GRPOStep, overlong_penalty, reduce_loss, rollout
 from paths.work.rewards import load_reward
+from paths.work.sampling import check_prompts
 from paths.work.tasks import arithmetic, write_jsonl
 from paths.work.train import train
 from sharding.dataset import read_prompts
