@@ -14,17 +14,24 @@ run_arg = click.argument("run", envvar="PATHS_RUN")
 @click.command("claim")
 @run_arg
 @click.option("--path", "path_id", help="Claim this path or domain expert only (default: any claimable one).")
-@click.option("--ttl", default=600.0, show_default=True, help="Lease length in seconds; `paths train` renews it.")
+@click.option("--ttl", default=600.0, show_default=True, help="Lease length in seconds (at least 5); `paths train` renews it every ttl/3 from its start.")
 @click.option("--worker", help="Worker name recorded in the claim (default: hostname-<random>).")
 def claim(run: str, path_id: str | None, ttl: float, worker: str | None) -> None:
     """Claim a path through the store; prints its id. Exit 3 when nothing is left to claim."""
+    import time
+
     from paths.units import claimable
+    from paths.work.claims import check_home, check_ttl, save_local
     from paths.work.claims import claim as do
-    from paths.work.claims import save_local
     from storage.layout import open_run
 
+    check_home()
     r = open_run(run)
     ids = claimable(r, path_id)
+    t0 = time.perf_counter()
+    if ids:
+        r.store.exists(r.claim(ids[0]))  # one round trip, to size a workable ttl
+    check_ttl(ttl, time.perf_counter() - t0)
     lease = do(r, ids, ttl=ttl, worker=worker)
     where = save_local(lease)
     click.echo(lease.path)
@@ -60,16 +67,22 @@ def claim(run: str, path_id: str | None, ttl: float, worker: str | None) -> None
 def train(run: str | None, path_id: str | None, mode: str, dataset: str, steps: int | None, checkpoint_every: int | None, config_file: str | None, sets: tuple[str, ...], no_progress: bool, init: str, rewards: tuple[str, ...], **grpo: Any) -> None:
     """Train the claimed path, renewing its lease; checkpoints and exact resume."""
     from paths.train_config import load_config
-    from paths.work.claims import claimed_run, lease_for_rank
-    from paths.work.train import train as do
-    from paths.work.train import unit_config
+    from paths.work.claims import claimed_run, keep_alive, lease_for_rank
     from storage.layout import open_run
 
     cfg = load_config(config_file, sets, mode=mode, steps=steps, checkpoint_every=checkpoint_every, **grpo)  # bad settings fail first
     r = open_run(run or claimed_run())
     lease, path_id = lease_for_rank(r, path_id)
-    cfg = unit_config(r, path_id, cfg, steps_given=steps is not None)
-    summary = do(r, path_id, mode, dataset, cfg, lease, show_progress=not no_progress, rewards=list(rewards), init=init)
+    beat = keep_alive(lease) if lease is not None else None  # renewing from now on: torch, materializing, resuming all come after
+    try:
+        from paths.work.train import train as do
+        from paths.work.train import unit_config
+
+        cfg = unit_config(r, path_id, cfg, steps_given=steps is not None)
+        summary = do(r, path_id, mode, dataset, cfg, lease, show_progress=not no_progress, rewards=list(rewards), init=init, heartbeat=beat)
+    finally:
+        if beat is not None:
+            beat.stop()
     if "final" in summary:  # rank 0 (other ranks write nothing)
         click.echo(f"trained {summary['path']}: {summary['steps']} steps, {summary['tokens']:,} tokens, final loss {summary['final_loss']:.4f} -> {summary['final']}")
 

@@ -14,18 +14,22 @@ holder whose renewal is refused (412) has lost the lease and must stop writing (
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from paths.errors import ConfigurationError, LeaseLost, NothingToClaim, NotFound, PreconditionFailed
+from paths.errors import ConfigurationError, DataError, LeaseLost, NothingToClaim, NotFound, PathsError, PreconditionFailed
 from storage.layout import Run
 
 STATES = ("claimed", "done", "failed", "open")
+MIN_TTL = 5.0  # seconds: `paths train` takes about 1 s from start to its first renewal, then renews every ttl/3
+GRACE = (0.1, 0.25)  # a takeover waits this share of the holder's ttl past expiry (jittered, at most 30 s)
 
 
 def default_worker() -> str:
@@ -81,12 +85,36 @@ class Lease:
 
 
 def read_claim(run: Run, path: str) -> tuple[dict[str, Any] | None, str | None]:
-    """(record, etag) of a path's claim, or (None, None) when nobody ever claimed it."""
+    """(record, etag) of a path's claim, or (None, None) when nobody ever claimed it; a record that
+    is not a claim (edited by hand, half a file) is refused naming the fix."""
     try:
         data, etag = run.store.read_with_etag(run.claim(path))
     except NotFound:
         return None, None
-    return json.loads(data), etag
+    try:
+        record = json.loads(data)
+        ok = isinstance(record, dict) and record.get("state") in STATES and int(record.get("generation", 0)) >= 0 and float(record.get("expires_at", 0)) >= 0
+    except (ValueError, TypeError):
+        ok = False
+    if not ok:
+        raise DataError(f"{run.store.url_of(run.claim(path))} is not a claim record (state, generation, expires_at): "
+                        f"reset it with `paths storage release {run.url} --path {path}`")
+    return record, etag
+
+
+def check_ttl(ttl: float, latency: float = 0.0) -> None:
+    """Refuse a lease too short to keep: the heartbeat renews every ttl/3 and `paths train` needs
+    about a second to start; `latency` is one measured round trip to the store."""
+    workable = max(MIN_TTL, 10 * latency)
+    if ttl < workable:
+        raise ConfigurationError(f"--ttl {ttl:g} is too short to keep renewed (the heartbeat renews every ttl/3, a worker needs about 1 s to start"
+                                 f"{f', a round trip to the store takes {latency:.2f} s' if latency else ''}): use --ttl {math.ceil(workable * 2)} or more")
+
+
+def takeover_at(record: dict[str, Any], rng: random.Random) -> float:
+    """When an expired lease may be taken over: its expiry plus a jittered grace (a share of its
+    ttl, at most 30 s), so a holder whose renewal is merely late is not taken from at once."""
+    return float(record.get("expires_at", 0)) + min(30.0, rng.uniform(*GRACE) * float(record.get("ttl", 0) or 0))
 
 
 def claimable(record: dict[str, Any] | None, now: float) -> bool:
@@ -103,11 +131,12 @@ def claim(run: Run, paths: list[str], *, ttl: float = 600, worker: str | None = 
     if ttl <= 0:
         raise ConfigurationError(f"--ttl must be > 0 seconds, got {ttl}")
     worker = worker or default_worker()
-    start = (rng or random.Random()).randrange(len(paths)) if paths else 0
+    rng = rng or random.Random()
+    start = rng.randrange(len(paths)) if paths else 0
     for path in paths[start:] + paths[:start]:
         record, etag = read_claim(run, path)
         now = time.time()
-        if not claimable(record, now):
+        if not claimable(record, now) or (record is not None and record.get("state") == "claimed" and now < takeover_at(record, rng)):
             continue
         new = {
             "path": path, "state": "claimed", "worker": worker, "ttl": ttl,
@@ -130,12 +159,64 @@ def claim(run: Run, paths: list[str], *, ttl: float = 600, worker: str | None = 
     raise NothingToClaim(f"nothing to claim in {run.url}: every path is done, failed or held by a live lease")
 
 
+class Heartbeat(threading.Thread):
+    """Renews a lease every `interval` seconds (ttl/3, at most 30) with the latest progress, from
+    the moment `keep_alive` starts it; a refused renewal is kept in `lost` and told to `on_lost`.
+    `lock` serialises renewals with the holder's own writes to the record (finish, hand-off)."""
+
+    def __init__(self, lease: Lease, interval: float | None = None):
+        super().__init__(daemon=True, name="paths-heartbeat")
+        self.lease = lease
+        self.interval = interval or max(0.2, min(lease.ttl / 3, 30.0))
+        self.progress: dict[str, Any] = {}
+        self.lock = threading.Lock()
+        self.lost: LeaseLost | None = None
+        self.on_lost: Callable[[LeaseLost], None] | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.interval):
+            try:
+                self.renew()
+            except LeaseLost:
+                return  # kept in self.lost: the holder stops before it writes anything more
+
+    def renew(self) -> None:
+        """Renew now (also the fencing check before a commit); raises LeaseLost."""
+        with self.lock:
+            try:
+                self.lease.renew(**self.progress)
+            except LeaseLost as exc:
+                self.lost = exc
+                if self.on_lost is not None:
+                    self.on_lost(exc)
+                raise
+            except PathsError:
+                pass  # a transient storage error: the next beat retries well before expiry
+
+    def stop(self) -> None:
+        self.done.set()
+
+
+def keep_alive(lease: Lease) -> Heartbeat:
+    """Renew the lease now (LeaseLost if it is not ours) and keep renewing it from a thread."""
+    beat = Heartbeat(lease)
+    beat.renew()
+    beat.start()
+    return beat
+
+
 def release(run: Run, path: str, state: str = "open", by: str | None = None) -> dict[str, Any]:
-    """Admin override: set a path's record to open (claimable again) or failed, recording who."""
+    """Admin override: set a path's record to open (claimable again) or failed, recording who; a
+    record that is not a claim any more (edited by hand) is replaced."""
     if state not in ("open", "failed"):
         raise ConfigurationError(f"--state must be open or failed, got {state!r}")
     for _ in range(10):
-        record, etag = read_claim(run, path)
+        try:
+            record, etag = read_claim(run, path)
+        except DataError:  # nonsense in the record: replace it whole
+            _, etag = run.store.read_with_etag(run.claim(path))
+            record = {"path": path, "generation": 0, "replaced": "a record that was not a claim"}
         now = time.time()
         new = {**(record or {"path": path, "generation": 0}), "state": state, "released_by": by or _who(), "released_at": now}
         try:
@@ -162,12 +243,29 @@ def claim_file() -> str:
 
 def save_local(lease: Lease) -> str:
     path = claim_file()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(lease.to_json(), f, indent=2)
-    os.replace(tmp, path)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(lease.to_json(), f, indent=2)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise ConfigurationError(f"cannot write the claim to {path} ({exc.strerror}): set PATHS_HOME to a writable folder") from None
     return path
+
+
+def check_home() -> str:
+    """The folder the claim file goes to, writable (checked before anything is claimed)."""
+    folder = os.path.dirname(os.path.abspath(claim_file()))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, f".probe-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as exc:
+        raise ConfigurationError(f"cannot write the claim to {folder} ({exc.strerror}): set PATHS_HOME to a writable folder") from None
+    return folder
 
 
 def load_local() -> dict[str, Any] | None:

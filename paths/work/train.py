@@ -3,31 +3,32 @@
 Materialize the unit (cut from base/, or its `final/` for a stage after another); build the model,
 its data and its step (lm / sft: `paths.steps.LMStep`; grpo: `GRPOStep`); then `Trainer.fit`
 (paths/trainer.py) runs the loop, with two callbacks: `LeaseKeeper` renews the lease from a
-heartbeat thread and fences every commit (a refused renewal stops the loop before anything more is
+heartbeat thread (`paths train` starts it the moment it has the lease, before importing torch or
+materializing anything, so a lease is covered from the first second) and fences every commit (a refused renewal stops the loop before anything more is
 written), and `Signals` turns SIGTERM / SIGINT into a committed checkpoint, the unit handed back
 (state `open`) and exit 143. Only rank 0 touches the run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
-import threading
 import time
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from paths.errors import ConfigurationError, LeaseLost, PathsError
+from paths.errors import ConfigurationError, LeaseLost
 from paths.families import PARTS
 from paths.models import fetch_final, materialize, materialize_expert
 from paths.steps import LMStep, ShardBatches
 from paths.train_config import TrainConfig
-from paths.trainer import Callback, Signals, Stop, Trainer
+from paths.trainer import Callback, Signals, Trainer
 from paths.units import data_id, is_expert
-from paths.work.claims import Lease
+from paths.work.claims import Heartbeat, Lease, keep_alive
 from storage.layout import Run
 from storage.manifest import ArtifactWriter, sha256_hex
 
@@ -39,46 +40,22 @@ if TYPE_CHECKING:
 Mode = Literal["lm", "sft", "grpo"]
 
 
-class Heartbeat(threading.Thread):
-    """Renews the lease every `interval` seconds with the latest progress; marks a loss."""
-
-    def __init__(self, lease: Lease, stop: Stop, interval: float):
-        super().__init__(daemon=True, name="paths-heartbeat")
-        self.lease, self.stop, self.interval = lease, stop, interval
-        self.progress: dict[str, Any] = {}
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        while not self.done.wait(self.interval):
-            try:
-                self.renew()
-            except LeaseLost:
-                return  # recorded in stop.lost: the training loop stops at its next step
-
-    def renew(self) -> None:
-        """Renew now (also the fencing check before a commit); raises LeaseLost."""
-        with self.stop.lock:
-            try:
-                self.lease.renew(**self.progress)
-            except LeaseLost as exc:
-                self.stop.lost = exc
-                raise
-            except PathsError:
-                pass  # a transient storage error: the next beat retries well before expiry
-
-
 class LeaseKeeper(Callback):
-    """The claimed unit's lease: renewed by a heartbeat, checked before every commit, handed
-    back (`open`) on a signal and finished (`done`) once the final is committed."""
+    """The claimed unit's lease: renewed by a heartbeat (the one `paths train` started before its
+    heavy work, or a new one), checked before every commit, handed back (`open`) on a signal and
+    finished (`done`) once the final is committed."""
 
-    def __init__(self, lease: Lease):
-        self.lease = lease
-        self.beat: Heartbeat | None = None
+    def __init__(self, lease: Lease, beat: Heartbeat | None = None):
+        self.lease, self.beat = lease, beat
 
     def started(self, trainer: Trainer) -> None:
-        self.beat = Heartbeat(self.lease, trainer.stop, interval=max(0.2, min(self.lease.ttl / 3, 30.0)))
+        def lost(exc: LeaseLost) -> None:
+            trainer.stop.lost = exc
+
+        if self.beat is None:
+            self.beat = keep_alive(self.lease)
+        self.beat.on_lost = lost
         self.beat.renew()  # we hold it now, or stop before any work
-        self.beat.start()
 
     def fence(self, trainer: Trainer) -> None:
         if self.beat is not None:
@@ -93,17 +70,20 @@ class LeaseKeeper(Callback):
             self.beat.progress["committed_step"] = step
 
     def interrupted(self, trainer: Trainer, step: int, signal_name: str) -> None:
-        with trainer.stop.lock:
+        with self._lock():
             self.lease.finish("open", step=step, committed_step=step, handed_off_by=signal_name)
 
     def finished(self, trainer: Trainer) -> None:
         self.close()
-        with trainer.stop.lock:
+        with self._lock():
             self.lease.finish("done", step=trainer.step, tokens=trainer.tokens, loss=trainer.loss)
+
+    def _lock(self) -> Any:
+        return self.beat.lock if self.beat is not None else contextlib.nullcontext()
 
     def close(self) -> None:
         if self.beat is not None:
-            self.beat.done.set()
+            self.beat.stop()
 
     def state(self) -> dict[str, Any]:
         return {"generation": self.lease.generation}
@@ -137,15 +117,23 @@ def train(
     show_progress: bool = True,
     rewards: list[str] | None = None,
     init: Literal["base", "final"] = "base",
+    heartbeat: Heartbeat | None = None,
 ) -> dict[str, Any]:
     """Train a unit to cfg.steps, resuming from its newest checkpoint of this job (mode, dataset,
     freeze); returns the summary. `rewards` (grpo): `NAME[=WEIGHT]` or `module:function[=WEIGHT]`.
-    `init`: start from the unit cut from base/, or from its `final/` (a stage after another)."""
-    with torch.enable_grad():  # whatever the caller's global grad mode
-        return _train(run, path_id, mode, dataset, cfg, lease, show_progress, list(rewards or ["math_answer"]), init)
+    `init`: start from the unit cut from base/, or from its `final/` (a stage after another).
+    `heartbeat`: the lease's, already renewing (`paths train` starts it before any heavy work);
+    stopped when training ends, whatever happens."""
+    try:
+        with torch.enable_grad():  # whatever the caller's global grad mode
+            return _train(run, path_id, mode, dataset, cfg, lease, show_progress, list(rewards or ["math_answer"]), init, heartbeat)
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
 
 
-def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, lease: Lease | None, show_progress: bool, rewards: list[str], init: str) -> dict[str, Any]:
+def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, lease: Lease | None, show_progress: bool, rewards: list[str], init: str,
+           heartbeat: Heartbeat | None) -> dict[str, Any]:
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -211,7 +199,7 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
                 heldout = read_prompts(run, dataset, shard_id, "heldout")[: cfg.eval_prompts]
                 check_prompts(heldout, reward_fns, dataset, model.config.max_position_embeddings, cfg.max_new_tokens)
                 extra.append(HeldoutReward(heldout, reward_fns, tokenizer, cfg.eval_every, cfg.max_new_tokens))
-        callbacks: list[Callback] = [LeaseKeeper(lease)] if lease is not None and acc.is_main_process else []
+        callbacks: list[Callback] = [LeaseKeeper(lease, heartbeat)] if lease is not None and acc.is_main_process else []
         callbacks += extra
         trainer = Trainer(
             run, path_id, {"mode": mode, "dataset": dataset, "freeze": cfg.freeze}, cfg, model, step,

@@ -52,7 +52,7 @@ def test_expired_lease_is_taken_over_and_the_old_holder_is_fenced(run2):
     old = claim(run2, ["p00-00"], ttl=0.3, worker="old")
     with pytest.raises(NothingToClaim):
         claim(run2, ["p00-00"], ttl=60, worker="early")  # still live
-    time.sleep(0.4)
+    time.sleep(0.5)  # expired, and past the takeover grace (at most a quarter of the ttl)
     new = claim(run2, ["p00-00"], ttl=60, worker="new")
     assert new.generation == 2 and new.record["previous"]["worker"] == "old"
     with pytest.raises(LeaseLost, match="p00-00"):
@@ -71,7 +71,7 @@ def test_fenced_worker_cannot_commit_a_checkpoint(run2):
     from paths import checkpoint
 
     old = claim(run2, ["p00-01"], ttl=0.2, worker="old")
-    time.sleep(0.3)
+    time.sleep(0.4)
     claim(run2, ["p00-01"], ttl=60, worker="new")
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())
