@@ -246,7 +246,7 @@ class Trainer:
                 cb.stepped(self, record)
             bar.update(1)
             bar.set_postfix(loss=f"{self.loss:.3f}", tok_s=f"{rate:,.0f}", **{k: v for cb in self.callbacks for k, v in cb.postfix().items()})
-            due = (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or time.time() - last_ckpt_time > cfg.checkpoint_minutes * 60
+            due = (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or self._all_agree(time.time() - last_ckpt_time > cfg.checkpoint_minutes * 60)
             between = self.step % multiple == 0  # grpo: not inside a rollout's iterations
             if due and between and self.step < cfg.steps:
                 self.save_checkpoint()
@@ -257,6 +257,12 @@ class Trainer:
         self._check_stop()
         return Result(start, self.step, self.tokens, self.loss)
 
+    def _all_agree(self, flag: bool) -> bool:
+        """True on every rank when it is true on any (so every rank reaches the same collectives)."""
+        if self.acc.num_processes == 1:
+            return flag
+        return bool(self.acc.reduce(torch.tensor([int(flag)], device=self.acc.device), reduction="sum").item())
+
     def _resume(self) -> int:
         resumed = checkpoint.load_latest(self.run, self.unit, self.job)
         if resumed is None:
@@ -266,7 +272,8 @@ class Trainer:
         checkpoint.load_optimizer(self.optimizer, opt_sd, state["optimizer"])
         data = state["data"]
         self.batches.load_state_dict(data[self.acc.process_index] if isinstance(data, list) else data)
-        set_rng_state(state["rng"])
+        rng = state["rng"]
+        set_rng_state(rng[self.acc.process_index] if isinstance(rng, list) else rng)  # one state per rank under DDP
         self.step, self.tokens, self.loss = start, state["tokens"], state["loss"]
         self.metrics = [m for m in read_metrics(self.run, self.unit) if m["step"] <= start]
         return start
@@ -285,9 +292,10 @@ class Trainer:
             if len(set(self.acc.gather(mine).tolist())) > 1:
                 raise PathsError(f"the ranks of {self.desc} {self.unit} drew different numbers of batches by step {self.step}: a step must draw the same on every rank")
             data = [{**data, "rank": r} for r in range(self.acc.num_processes)]
+        rng = rng_state() if self.acc.num_processes == 1 else _gather_objects(rng_state())  # every rank's sampler resumes exactly
         state = {
             **self.job, "step": self.step, "tokens": self.tokens, "loss": self.loss, "config": self.cfg.to_json(),
-            "data": data, "rng": rng_state(), **{k: v for cb in self.callbacks for k, v in cb.state().items()},
+            "data": data, "rng": rng, **{k: v for cb in self.callbacks for k, v in cb.state().items()},
         }
         self.acc.wait_for_everyone()
         if not self.main:
@@ -329,7 +337,7 @@ class Trainer:
 
     def _check_stop(self, save: bool = False) -> None:
         """All ranks stop together: on a lost lease without writing; on a signal after a checkpoint."""
-        flags = torch.tensor([self.stop.lost is not None, self.stop.signal is not None], dtype=torch.int64)
+        flags = torch.tensor([self.stop.lost is not None, self.stop.signal is not None], dtype=torch.int64, device=self.acc.device)  # NCCL reduces device tensors only
         if self.acc.num_processes > 1:
             flags = self.acc.reduce(flags, reduction="sum")
         if flags[0]:
@@ -341,6 +349,13 @@ class Trainer:
                 for cb in self.callbacks:
                     cb.interrupted(self, self.step, name)
             raise Interrupted(f"stopped by {name} at step {self.step} of {self.desc} {self.unit}: checkpoint committed; resume: {self.resume_hint}")
+
+
+def _gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank."""
+    out: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
 
 
 def _without_rank(state: Any) -> Any:

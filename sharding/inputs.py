@@ -212,18 +212,10 @@ def _to_record(where: str, row: dict, fields: Fields, on_error: OnError, stats: 
         kept = {k: v for k, v in row.items() if k not in (text_field, fields.answer)}
         if doc_id is not None and fields.id:
             kept["id"] = doc_id  # the --id-field value, as the dataset's id
-        try:
-            rest = json.dumps(kept, ensure_ascii=False, separators=(",", ":")) if kept else None
-        except TypeError:
-            name = next(k for k, v in kept.items() if not _is_json(v))
-            _bad("malformed", f"{where} field {name!r} holds a {type(kept[name]).__name__}, which prompt fields (kept as JSON for the rewards) cannot", on_error, stats, where)
-            return None
+        rest = json.dumps(kept, ensure_ascii=False, separators=(",", ":"), default=_as_text) if kept else None
     return Record(text=text, id=doc_id or "", extra=rest, **extra)
 
 
-def _is_json(value: Any) -> bool:
-    try:
-        json.dumps(value)
-        return True
-    except TypeError:
-        return False
+def _as_text(value: Any) -> str:
+    """A value JSON has no type for (a Parquet timestamp, a decimal, bytes), as text for the rewards."""
+    return value.isoformat() if hasattr(value, "isoformat") else str(value)

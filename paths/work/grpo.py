@@ -18,6 +18,7 @@ Shapes: N completions (prompts x G), P prompt tokens (left-padded), C completion
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -73,7 +74,7 @@ def kl_k3(logp_NC: torch.Tensor, ref_NC: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
-def reduce_loss(per_token_NC: torch.Tensor, mask_NC: torch.Tensor, loss: LossType, step_completions: int, step_tokens: int, max_new_tokens: int, micro_batches: int = 1) -> torch.Tensor:
+def reduce_loss(per_token_NC: torch.Tensor, mask_NC: torch.Tensor, loss: LossType, step_completions: int, step_tokens: float, max_new_tokens: int, micro_batches: int = 1) -> torch.Tensor:
     """This micro-batch's share of the step's loss, normalised as TRL defines each type:
     grpo: mean over the step's sequences of each sequence's token mean; bnpo: this micro-batch's
     token mean, divided by the number of micro-batches; dapo: sum over the step's tokens / their
@@ -102,9 +103,11 @@ class Samples:
     rewards: list[float]  # weighted sum of the rewards (plus the overlong penalty)
     reward_means: dict[str, float]
 
-    def group_signal(self, group: int) -> list[bool]:
-        """Per group: do its rewards differ (is there anything to learn from it)?"""
-        return [len(set(self.rewards[i : i + group])) > 1 for i in range(0, len(self.rewards), group)]
+    def group_signal(self, group: int, masked_truncated: bool = False) -> list[bool]:
+        """Per group: do its rewards differ, and (when cut completions leave the loss) does any of
+        its completions count in the loss? Is there anything to learn from it?"""
+        return [len(set(self.rewards[i : i + group])) > 1 and not (masked_truncated and all(self.truncated[i : i + group]))
+                for i in range(0, len(self.rewards), group)]
 
     def select(self, groups: list[int], group: int) -> "Samples":
         rows = [g * group + k for g in groups for k in range(group)]
@@ -218,9 +221,12 @@ def grpo_backward(model: torch.nn.Module, acc: Any, ro: Rollout, cfg: TrainConfi
     """Loss and gradients of one rollout, micro-batch by micro-batch (sums to the step's loss)."""
     n = len(ro.advantages_N)
     tokens = int(ro.loss_mask_NC.sum())
+    norm_tokens = tokens
+    if acc.num_processes > 1:  # TRL: the step's tokens over every rank / ranks, so DDP's mean of gradients sums to the global normalisation
+        norm_tokens = float(acc.reduce(torch.tensor([tokens], device=acc.device), reduction="sum").item()) / acc.num_processes
     eps_high = cfg.epsilon_high or cfg.epsilon
     total, low, high, kl_sum, ent_sum = 0.0, 0, 0, 0.0, 0.0
-    for rows in micro_rows:
+    for i, rows in enumerate(micro_rows):
         mask = ro.loss_mask_NC[rows].float()
         logp, ent = completion_logprobs(model, ro.ids_NT[rows], ro.attention_NT[rows], ro.prompt_len, cfg.temperature, entropy=True)
         old = logp.detach() if ro.old_logp_NC is None else ro.old_logp_NC[rows]
@@ -230,8 +236,9 @@ def grpo_backward(model: torch.nn.Module, acc: Any, ro: Rollout, cfg: TrainConfi
             kl = kl_k3(logp, ro.ref_logp_NC[rows])
             per_token = per_token + cfg.beta * kl
             kl_sum += float((kl.detach() * mask).sum())
-        loss = reduce_loss(per_token, mask, cfg.loss, n, tokens, cfg.max_new_tokens, len(micro_rows))
-        acc.backward(loss)
+        loss = reduce_loss(per_token, mask, cfg.loss, n, norm_tokens, cfg.max_new_tokens, len(micro_rows))
+        with acc.no_sync(model) if i < len(micro_rows) - 1 else contextlib.nullcontext():  # DDP syncs gradients once, after the last micro-batch
+            acc.backward(loss)
         total += float(loss.detach())
         with torch.no_grad():
             rho, a = torch.exp(logp.detach() - old), adv.unsqueeze(1)
@@ -263,9 +270,7 @@ class GRPOStep:
         self.checkpoint_multiple = cfg.iterations  # rollouts are not saved: checkpoint between them
 
     def __call__(self, model: torch.nn.Module, acc: Any, it: Any) -> dict[str, float]:
-        if self.ref_model is not None and not self.ref_ready:  # like the policy: device, precision
-            if acc.mixed_precision == "bf16":
-                self.ref_model.to(torch.bfloat16)
+        if self.ref_model is not None and not self.ref_ready:  # exactly like the policy: fp32 weights on its device, under the same autocast
             self.ref_model, self.ref_ready = acc.prepare_model(self.ref_model, evaluation_mode=True), True
         if self.current is None or self.used == self.cfg.iterations:
             self.current, self.used = self.next_rollout(model, acc, it), 0
@@ -280,7 +285,7 @@ class GRPOStep:
         policy = acc.unwrap_model(model)  # sampling needs no gradient sync; the autocast wrapper stays
         need = cfg.grad_accum * cfg.batch_size
         kept: list[Samples] = []
-        have = drawn = rounds = 0
+        have = drawn = rounds = silent = 0
         while True:
             records = [self.records[int(i)] for _ in range(cfg.grad_accum) for i in next(it)["index"]]
             samples = sample_and_score(policy, records, self.rewards, cfg, self.tokenizer)
@@ -288,7 +293,9 @@ class GRPOStep:
             if not cfg.dynamic_sampling:
                 kept, have = [samples], len(records)
                 break
-            signal = [g for g, s in enumerate(samples.group_signal(cfg.group_size)) if s]
+            flags = samples.group_signal(cfg.group_size, cfg.overlong == "mask")
+            signal = [g for g, s in enumerate(flags) if s]
+            silent += len(flags) - len(signal)  # dropped: no signal (surplus groups with signal are not counted)
             kept.append(samples.select(signal[: need - have], cfg.group_size))
             have += len(signal[: need - have])
             if _all_ranks(acc, have >= need):
@@ -297,8 +304,8 @@ class GRPOStep:
                 raise DataError(f"dynamic sampling found {have} of {need} prompt groups with signal in {rounds} rounds ({drawn} prompts) of dataset {self.dataset!r}: "
                                 "raise max_sampling_rounds, use easier prompts or a larger group_size, or turn dynamic_sampling off")
         samples = Samples.concat(kept)
-        stats = {"dropped_groups": float(drawn - have) if cfg.dynamic_sampling else 0.0, "sampling_rounds": float(rounds)}
-        if not cfg.dynamic_sampling and not any(samples.group_signal(cfg.group_size)):
+        stats = {"dropped_groups": float(silent), "sampling_rounds": float(rounds)}
+        if not cfg.dynamic_sampling and not any(samples.group_signal(cfg.group_size, cfg.overlong == "mask")):
             self.silent += 1
             if self.silent in (1, 10) or self.silent % 100 == 0:  # the first time, then now and then
                 log.warning("grpo: no group of rollout %d had reward variance (%d prompts x %d; %d such rollouts so far): those steps learn nothing; "

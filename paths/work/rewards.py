@@ -42,10 +42,10 @@ _TO_MINUS = str.maketrans({d: "-" for d in _DASHES})
 _UNSIGNED = r"(?:(?:\d{1,3}(?:,\d{3})+(?!,?\d)|\d+)(?:\.\d+)?|\.\d+)"
 _SIGNED = rf"[{_DASHES}+]?{_UNSIGNED}"
 # A sign right after a word or a closing bracket is an operator: "5-3" is 5 and 3, not -3.
-_NUMBER = (rf"(?P<sign>(?<![\w)\]}}])[{_DASHES}+])?(?:\\[dt]?frac\s*\{{\s*(?P<fn>{_SIGNED})\s*\}}\s*\{{\s*(?P<fd>{_SIGNED})\s*\}}"
+_NUMBER = (rf"(?P<sign>(?<![\w)\]}}])[{_DASHES}+])?(?:\\[dt]?frac\s*(?:\{{\s*(?P<fn>{_SIGNED})\s*\}}\s*\{{\s*(?P<fd>{_SIGNED})\s*\}}|(?P<fn1>\d)(?P<fd1>\d))"
            rf"|(?P<n>{_UNSIGNED})(?:\s*/\s*(?P<d>{_UNSIGNED}))?)")
 _NUMBER_RE = re.compile(_NUMBER)
-_ANSWER_RE = re.compile(r"answer(?:\s+is)?\s*:?[\s*$\\(]*" + _NUMBER, re.IGNORECASE)
+_ANSWER_RE = re.compile(r"\banswer\b\s*(?:is\b\s*:?|:)[\s*$\\(]*" + _NUMBER, re.IGNORECASE)  # "Answer: 12", "the answer is 12"
 _BOXED_RE = re.compile(r"\\boxed\s*\{")
 # What may surround a boxed number: units in \text{}, $, %, degrees, a leading "x =".
 _DECOR_RE = re.compile(r"\\(?:text|mathrm|mbox)\{[^{}]*\}|\\?[$%]|\^\s*\{?\\circ\}?|\\[,!;]|^.*=")
@@ -57,7 +57,10 @@ def _plain(text: str) -> Fraction:
 
 def _value(m: re.Match[str]) -> Fraction | None:
     try:
-        value = _plain(m["fn"]) / _plain(m["fd"]) if m["fn"] else _plain(m["n"]) / (_plain(m["d"]) if m["d"] else 1)
+        if m["fn1"]:  # \frac12
+            value = Fraction(int(m["fn1"]), int(m["fd1"]))
+        else:
+            value = _plain(m["fn"]) / _plain(m["fd"]) if m["fn"] else _plain(m["n"]) / (_plain(m["d"]) if m["d"] else 1)
     except ZeroDivisionError:
         return None
     return -value if m["sign"] and m["sign"] != "+" else value
@@ -89,8 +92,8 @@ def _boxed(text: str) -> list[str]:
 def extract_answer(completion: str) -> Fraction | None:
     """The final answer: the last \\boxed{}, else the last 'Answer: <number>', else the last number."""
     text = _normalize(completion)
-    if boxed := _boxed(text):
-        return parse_number(_DECOR_RE.sub("", boxed[-1]))
+    if boxes := _boxed(text):  # the last box that holds a number; boxes but no number: no answer (not a guess)
+        return next((got for box in reversed(boxes) if (got := parse_number(_DECOR_RE.sub("", box).strip().rstrip("."))) is not None), None)
     for pattern in (_ANSWER_RE, _NUMBER_RE):
         if found := list(pattern.finditer(text)):
             return _value(found[-1])
@@ -192,9 +195,10 @@ class Reward:
         kinds = {p.kind for p in params}
         if inspect.Parameter.VAR_KEYWORD in kinds:
             return cls(spec, fn, weight, True, None, required)
-        if "completion_ids" in names or inspect.Parameter.KEYWORD_ONLY in kinds:
-            return cls(spec, fn, weight, True, names, required)
-        return cls(spec, fn, weight)
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if "completion_ids" in names or inspect.Parameter.KEYWORD_ONLY in kinds or len(positional) != 3:
+            return cls(spec, fn, weight, True, names, required)  # e.g. fn(completions, solution): by name
+        return cls(spec, fn, weight)  # fn(prompts, completions, answers)
 
     @property
     def needs_answers(self) -> bool:
@@ -261,7 +265,12 @@ def score(rewards: list[Reward], prompts: list[str], completions: list[str], com
     total = [0.0] * n
     means = {}
     for r in rewards:
-        values = r(prompts, completions, completion_ids, fields)
+        try:
+            values = r(prompts, completions, completion_ids, fields)
+        except TypeError as exc:
+            raise DataError(f"reward {r.spec!r} could not be called ({exc}): take (prompts, completions, answers), or keyword arguments with **kwargs") from None
+        if hasattr(values, "tolist"):  # a numpy array or a tensor
+            values = values.tolist()
         if not isinstance(values, (list, tuple)) or len(values) != n:
             got = len(values) if hasattr(values, "__len__") else type(values).__name__
             raise DataError(f"reward {r.spec!r} returned {got} values for {n} completions: it must return one float (or None) per completion")

@@ -56,7 +56,10 @@ def sample_tokens(logits_NV: torch.Tensor, temperature: float, top_p: float) -> 
     # inverse-CDF sampling: one uniform number per row (multinomial draws one per vocabulary entry,
     # 15x slower on CPU); right=True never lands on a zero-probability entry
     cdf = probs.cumsum(-1)
-    u = torch.rand((len(probs), 1), device=probs.device) * cdf[:, -1:]
+    total = cdf[:, -1:]
+    if not bool(torch.isfinite(total).all() and (total > 0).all()):
+        raise DataError("the model produced non-finite logits while sampling: lower the learning rate, or train in fp32 (--set precision=fp32)")
+    u = torch.rand((len(probs), 1), device=probs.device) * total
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 

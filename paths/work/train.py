@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -195,10 +196,13 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
             check_prompts(data.records, reward_fns, dataset, model.config.max_position_embeddings, cfg.max_new_tokens)
             ref = AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32).eval().requires_grad_(False) if cfg.beta > 0 else None
             step = GRPOStep(cfg, data.records, reward_fns, tokenizer, ref, dataset)
-            if cfg.eval_every and acc.is_main_process:
+            if cfg.eval_every:
                 heldout = read_prompts(run, dataset, shard_id, "heldout")[: cfg.eval_prompts]
-                check_prompts(heldout, reward_fns, dataset, model.config.max_position_embeddings, cfg.max_new_tokens)
-                extra.append(HeldoutReward(heldout, reward_fns, tokenizer, cfg.eval_every, cfg.max_new_tokens))
+                check_prompts(heldout, reward_fns, dataset, model.config.max_position_embeddings, cfg.max_new_tokens)  # on every rank: all fail alike
+                if not heldout:
+                    warnings.warn(f"eval_every {cfg.eval_every}: dataset {dataset!r} holds no held-out prompts for {shard_id} (shard with --holdout > 0): no held-out reward", stacklevel=2)
+                elif acc.is_main_process:
+                    extra.append(HeldoutReward(heldout, reward_fns, tokenizer, cfg.eval_every, cfg.max_new_tokens))
         callbacks: list[Callback] = [LeaseKeeper(lease, heartbeat)] if lease is not None and acc.is_main_process else []
         callbacks += extra
         trainer = Trainer(

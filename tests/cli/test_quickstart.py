@@ -42,8 +42,10 @@ def test_rl_scenario_raises_accuracy_and_the_composed_moe_keeps_it(tmp_path):
     table = json.loads(run.store.read(run.store.list("eval/arith")[-1].key))["table"]
     seed = table["base"]["overall"]
     assert 0.1 < seed < 0.9, table  # the cold start solves some, not all
-    for model in ("path:p00", "path:p01", "composed:rl"):
-        assert table[model]["overall"] > seed + 0.05, (model, table)
+    gains = [table[m]["overall"] - seed for m in ("path:p00", "path:p01")]
+    assert min(gains) > 0.05 and sum(gains) / 2 >= 0.10, table  # GRPO raises every path, by 10 points on average
+    assert table["composed:rl"]["overall"] - seed >= 0.5 * sum(gains) / 2, table  # the composed MoE keeps most of it
+    assert "of the paths' mean gain" in result.stdout
     metrics = [json.loads(x) for x in run.store.read("work/p00/metrics.jsonl").decode().splitlines()]
     solved = [m["reward/math_answer"] for m in metrics]
     assert "heldout_reward" in metrics[9] and sum(solved[-20:]) > sum(solved[:20])  # the sampled completions improve too

@@ -8,7 +8,6 @@ import datetime
 
 import pytest
 
-from paths.errors import DataError
 from sharding import shard as shard_mod
 from sharding.dataset import dataset_manifest, read_prompts
 from sharding.shard import ShardOptions, shard
@@ -82,11 +81,12 @@ def test_a_shard_without_fields_reads_as_before(run1, tmp_path, monkeypatch):
     assert all(set(r) == {"prompt", "answer", "ids"} for r in got["train"] + got["heldout"])
 
 
-def test_a_value_json_cannot_hold_is_one_clear_error(run1, tmp_path):
+def test_a_value_json_has_no_type_for_travels_as_text(run1, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     f = str(tmp_path / "p.parquet")
     pq.write_table(pa.Table.from_pylist([{"prompt": "q", "answer": "1", "when": datetime.datetime(2024, 1, 1)}]), f)
-    with pytest.raises(DataError, match=r"p\.parquet:row 1 field 'when' holds a datetime"):
-        shard(run1, ShardOptions(dataset="bad", inputs=[f], kind="prompts", text_field="prompt", holdout=0.0))
+    manifest = shard(run1, ShardOptions(dataset="dated", inputs=[f], kind="prompts", text_field="prompt", holdout=0.0))
+    path = next(p for p, e in manifest["paths"].items() if e["train_docs"])
+    assert read_prompts(run1, "dated", path)[0]["when"] == "2024-01-01T00:00:00"

@@ -226,4 +226,5 @@ def test_grpo_steps_on_cuda_in_bf16(rl_run, beta):
     summary = train(rl_run, "p00", "grpo", "rl", cfg, None, show_progress=False, rewards=[f"{TOYS}:even_first_char"])
     ms = metrics(rl_run, "p00")
     assert summary["steps"] == 4 and all(torch.isfinite(torch.tensor(m["loss"])) for m in ms)
+    assert ms[0]["kl"] < 1e-3  # the reference runs exactly like the policy: no divergence before the first update
     assert (ms[-1]["kl"] > 0) == (beta > 0)

@@ -10,7 +10,7 @@ from fractions import Fraction
 import pytest
 
 from paths.errors import ConfigurationError, DataError
-from paths.work.rewards import BUILTIN, check_answers, extract_answer, format_reward, length_penalty, load_reward, math_answer, parse_number, score
+from paths.work.rewards import BUILTIN, Reward, check_answers, extract_answer, format_reward, length_penalty, load_reward, math_answer, parse_number, score
 
 
 # -- reading numbers ------------------------------------------------------------------------------
@@ -176,3 +176,26 @@ def test_math_verify_off_the_main_thread():
     worker.start()
     worker.join()
     assert out == [[1.0]]
+
+
+@pytest.mark.parametrize("text, want", [
+    ("I will answer 2 questions. Total: 9", Fraction(9)),  # 'answer' as a verb is not 'Answer:'
+    ("\\boxed{\\frac12}", Fraction(1, 2)),  # MATH's shorthand
+    ("\\boxed{3.}", Fraction(3)),
+    ("\\boxed{20} and then \\boxed{}", Fraction(20)),  # the last box that holds a number
+])
+def test_extract_answer_reads_what_a_review_found(text, want):
+    assert extract_answer(text) == want
+
+
+def test_a_reward_by_name_without_kwargs_and_one_returning_an_array():
+    import numpy as np
+
+    def by_name(completions, solution):
+        return [float(c == s) for c, s in zip(completions, solution)]
+
+    def array(prompts, completions, answers):
+        return np.ones(len(completions))
+
+    total, means = score([Reward.of("by_name", by_name), Reward.of("array", array, 0.5)], ["p", "q"], ["a", "b"], [[1], [2]], {"answer": ["1", "2"], "solution": ["a", "x"]})
+    assert total == [1.5, 0.5] and means == {"by_name": 0.5, "array": 1.0}
