@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import sys
 
 import click
 
 from paths.errors import PathsError
+from storage.errors import no_space
 
 
 class ErrorsAsOneLine(click.Group):
@@ -18,6 +20,8 @@ class ErrorsAsOneLine(click.Group):
         except (PathsError, OSError) as exc:
             if ctx.params.get("debug"):
                 raise
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:  # a local write outside the store's own (a scratch folder)
+                exc = no_space(exc.filename or "the output folder")
             message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             click.echo(f"error: {message}", err=True)
             ctx.exit(getattr(exc, "exit_code", 1))

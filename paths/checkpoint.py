@@ -21,7 +21,7 @@ import torch
 
 from paths.errors import IntegrityError, NotFound, StorageError
 from storage.layout import COMMITTED, Run
-from storage.manifest import ArtifactWriter, read_verified
+from storage.manifest import ArtifactWriter, read_manifest, read_verified
 
 
 def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -60,9 +60,11 @@ def load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Te
     optimizer.load_state_dict({"state": state, "param_groups": rest["param_groups"]})
 
 
-def save(run: Run, path_id: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], fence: Callable[[], None]) -> dict[str, Any]:
-    """Write a checkpoint; `fence()` (a lease renewal) runs just before COMMITTED and raises
-    LeaseLost when another worker holds the path, leaving the checkpoint uncommitted."""
+def save(run: Run, path_id: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], fence: Callable[[], None],
+         files: dict[str, bytes] | None = None) -> dict[str, Any]:
+    """Write a checkpoint (and `files`, e.g. the metrics so far, as part of it); `fence()` (a lease
+    renewal) runs just before COMMITTED and raises LeaseLost when another worker holds the path,
+    leaving the checkpoint uncommitted."""
     from safetensors.torch import save as st_save
 
     t0 = time.perf_counter()
@@ -72,6 +74,8 @@ def save(run: Run, path_id: str, step: int, model: torch.nn.Module, optimizer: t
     tensors, rest = optimizer_tensors(optimizer)
     writer.write("optimizer.safetensors", st_save(tensors))
     writer.write_json("state.json", {**state, "optimizer": rest})
+    for name, data in (files or {}).items():
+        writer.write(name, data)
     writer.commit(kind="checkpoint", step=step)
     fence()
     run.store.write(f"{prefix}/{COMMITTED}", json.dumps({"step": step, "at": time.time()}).encode())
@@ -99,6 +103,14 @@ def load_latest(run: Run, path_id: str, job: dict[str, Any] | None = None) -> tu
             continue
         return step, model, opt, state
     return None
+
+
+def read_file(run: Run, path_id: str, step: int, name: str) -> bytes | None:
+    """A file saved with a committed checkpoint (verified), or None when it has none by that name."""
+    prefix = run.checkpoint(path_id, step)
+    if name not in read_manifest(run.store, prefix)["files"]:
+        return None
+    return read_verified(run.store, prefix, name)
 
 
 def prune(run: Run, path_id: str, keep: int) -> None:

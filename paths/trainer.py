@@ -275,7 +275,9 @@ class Trainer:
         rng = state["rng"]
         set_rng_state(rng[self.acc.process_index] if isinstance(rng, list) else rng)  # one state per rank under DDP
         self.step, self.tokens, self.loss = start, state["tokens"], state["loss"]
-        self.metrics = [m for m in read_metrics(self.run, self.unit) if m["step"] <= start]
+        saved = checkpoint.read_file(self.run, self.unit, start, "metrics.jsonl")  # the checkpoint's own: a kill after COMMITTED loses none
+        metrics = [json.loads(line) for line in saved.decode().splitlines() if line.strip()] if saved is not None else read_metrics(self.run, self.unit)
+        self.metrics = [m for m in metrics if m["step"] <= start]
         return start
 
     # -- committing -------------------------------------------------------------------------------
@@ -300,7 +302,7 @@ class Trainer:
         self.acc.wait_for_everyone()
         if not self.main:
             return
-        checkpoint.save(self.run, self.unit, self.step, self.acc.unwrap_model(self.model), self.optimizer, state, self.fence)
+        checkpoint.save(self.run, self.unit, self.step, self.acc.unwrap_model(self.model), self.optimizer, state, self.fence, files={"metrics.jsonl": self._metrics_bytes()})
         self.write_metrics()
         checkpoint.prune(self.run, self.unit, self.cfg.keep_checkpoints)
         for cb in self.callbacks:
@@ -308,7 +310,10 @@ class Trainer:
 
     def write_metrics(self) -> None:
         """work/<unit>/metrics.jsonl: one JSON line per optimizer step, resumed runs included."""
-        self.run.store.write(f"{self.run.work(self.unit)}/metrics.jsonl", "".join(json.dumps(m) + "\n" for m in self.metrics).encode())
+        self.run.store.write(f"{self.run.work(self.unit)}/metrics.jsonl", self._metrics_bytes())
+
+    def _metrics_bytes(self) -> bytes:
+        return "".join(json.dumps(m) + "\n" for m in self.metrics).encode()
 
     def finish(self, commit: Callable[[Callable[[], None]], T]) -> T | None:
         """After `fit`: rank 0 commits the result with `commit(fence)`, writes the metrics and tells

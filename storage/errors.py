@@ -59,3 +59,9 @@ class NothingToClaim(PathsError):
     """No path is left to claim."""
 
     exit_code = 3
+
+
+def no_space(where: str) -> StorageError:
+    """ENOSPC, as the one-line error every writer gives."""
+    return StorageError(f"no space left on the device of {where}: free space (`paths storage gc RUN --yes` removes stale checkpoints), "
+                        "then run the same command again; what was committed before is intact")

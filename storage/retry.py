@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterator, TypeVar
 
@@ -78,6 +79,15 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+RETRIES: Counter[str] = Counter()  # retries this process took, by kind of failure (for reports and tests)
+
+
+def retry_kind(exc: BaseException) -> str:
+    """The S3 error code, the HTTP status, or the exception's type: what a retry was for."""
+    code, status = s3_error(exc)
+    return code or (f"HTTP {status}" if status is not None else type(exc).__name__)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RetryPolicy:
     """How often and how patiently to retry a transient failure."""
@@ -103,6 +113,7 @@ class RetryPolicy:
                 delay = next(delays, None)
                 if delay is None:
                     raise
+                RETRIES[retry_kind(exc)] += 1
                 if on_retry is not None:
                     on_retry(exc)
                 time.sleep(delay)

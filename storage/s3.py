@@ -29,6 +29,9 @@ def make_s3fs(storage_options: dict[str, Any]):
     endpoint = options.pop("endpoint_url", None) or endpoint_from_env()
     if endpoint:
         options["endpoint_url"] = endpoint
+    # botocore retries 5xx, throttling and resets by itself unless told not to: one attempt each,
+    # so every retry is storage.retry's (jittered, counted, and a lost conditional reply recognised)
+    options["config_kwargs"] = {"retries": {"total_max_attempts": 1}, **options.get("config_kwargs", {})}
     # No listing cache: other workers write to the same bucket, so listings must be fresh.
     fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, **options)
     fs.retries = 1

@@ -8,6 +8,7 @@ writes on every backend that can offer them: S3 (If-None-Match / If-Match), loca
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
@@ -26,6 +27,7 @@ from storage.errors import (
     StorageError,
     TransientStorageError,
     UnsupportedOperation,
+    no_space,
 )
 from storage.retry import RetryPolicy, error_chain, is_transient, s3_error
 
@@ -124,6 +126,8 @@ class Store:
         except FileNotFoundError as exc:
             raise NotFound(f"{self.url_of(key)} does not exist") from exc
         except Exception as exc:
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                raise no_space(self.url_of(key)) from exc
             code, _ = s3_error(exc)
             if code in _MISSING_CODES:
                 raise NotFound(f"{self.url_of(key)} does not exist") from exc
@@ -280,26 +284,22 @@ class Store:
         raise self._no_conditional()
 
     def _conditional(self, key: str, data: bytes, attempt: Callable[[], str]) -> str:
-        """Run a conditional write with retries; a 412 after a retried attempt may be our own
-        earlier attempt that succeeded but whose answer was lost, so check the content."""
-        tries = 0
-
-        def once() -> str:
-            nonlocal tries
-            tries += 1
-            return attempt()
-
+        """Run a conditional write with retries; a 412 may answer our own earlier attempt that the
+        server applied but whose reply was lost (retried here, or inside the client library), so
+        on a 412 the content decides: exactly our bytes there means the write is ours."""
         try:
-            return self._call(key, once)
-        except PreconditionFailed:
-            if tries > 1:
-                try:
-                    current, etag = self.read_with_etag(key)
-                except NotFound:
-                    raise
-                if current == data:
-                    return etag
-            raise
+            return self._call(key, attempt)
+        except PreconditionFailed as exc:
+            refused = exc
+        # read outside the except block: a failure of the read must not carry the 412 as its context
+        # (a chained 412 would make a timeout of the read look permanent to the retry policy)
+        try:
+            current, etag = self.read_with_etag(key)
+        except NotFound:
+            raise refused from None
+        if current == data:
+            return etag
+        raise refused
 
 
 def _mtime(info: dict) -> float | None:
@@ -347,10 +347,14 @@ class LocalStore(Store):
     def _write_tmp(self, path: str, data: bytes) -> str:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = self._tmp(path)
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            _remove_quietly(tmp)  # a full disk keeps no half-written temp file
+            raise
         return tmp
 
     def _locked(self, path: str):
@@ -394,7 +398,11 @@ class LocalStore(Store):
         def go() -> None:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = self._tmp(path)
-            shutil.copyfile(local_path, tmp)
+            try:
+                shutil.copyfile(local_path, tmp)
+            except BaseException:
+                _remove_quietly(tmp)
+                raise
             os.replace(tmp, path)
 
         self._call(key, go)
@@ -453,6 +461,13 @@ class LocalStore(Store):
             return content_etag(data)
 
         return self._call(key, go)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 class _FileLock:

@@ -222,3 +222,27 @@ def test_claim_train_resume_and_compose_on_seaweedfs(seaweed, bucket, tokenizer_
     from storage.admin import verify
 
     assert verify(run).ok
+
+
+def test_a_kill_between_commit_and_the_metrics_upload_loses_no_metrics(run2, corpus, monkeypatch):
+    """Each checkpoint carries the metrics up to its step: dying right after COMMITTED, before
+    work/<path>/metrics.jsonl is rewritten, leaves no gap in the resumed record."""
+    from paths.trainer import Trainer
+
+    shard(run2, ShardOptions(dataset="lm", inputs=corpus, holdout=0.0))
+    cfg = load_config(sets=["seq_len=16", "batch_size=2"], steps=6, checkpoint_every=2)
+    real, calls = Trainer.write_metrics, []
+
+    def dies_at_the_second_checkpoint(self):
+        calls.append(self.step)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed after ckpt-4 was committed")
+        real(self)
+
+    monkeypatch.setattr(Trainer, "write_metrics", dies_at_the_second_checkpoint)
+    with pytest.raises(KeyboardInterrupt):
+        train(run2, "p01-01", "lm", "lm", cfg, None, show_progress=False)
+    monkeypatch.setattr(Trainer, "write_metrics", real)
+    assert [json.loads(x)["step"] for x in run2.store.read("work/p01-01/metrics.jsonl").decode().splitlines()] == [1, 2]
+    assert train(run2, "p01-01", "lm", "lm", cfg, None, show_progress=False)["resumed_from"] == 4
+    assert [json.loads(x)["step"] for x in run2.store.read("work/p01-01/metrics.jsonl").decode().splitlines()] == [1, 2, 3, 4, 5, 6]
