@@ -221,9 +221,11 @@ def compose_ensemble(
         from compose.modeling_paths_ensemble import write_config
 
         vocab = min([len(tok), *(m["vocab_size"] or len(tok) for m in record_members.values())])
+        contexts = [json.load(open(os.path.join(out, "members", n, "config.json"))).get("max_position_embeddings") for n in names]
         write_config(
             out, members=names, mix=mix, prior=prior_values, vocab_size=vocab, router=router,
             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            max_position_embeddings=min(c for c in contexts if c) if any(contexts) else None,  # what evaluators read as the context
         )
         shutil.copy(MODELING, os.path.join(out, "modeling_paths_ensemble.py"))
         record = {

@@ -35,8 +35,10 @@ from transformers.modeling_outputs import CausalLMOutput
 class PathsEnsembleConfig(PretrainedConfig):
     model_type = "paths_ensemble"
 
-    def __init__(self, members: list[str]=None, mix: str="posterior", prior: Any=None, vocab_size: int=None, router: Any=None, **kwargs: Any):
+    def __init__(self, members: list[str]=None, mix: str="posterior", prior: Any=None, vocab_size: int=None, router: Any=None,
+                 max_position_embeddings: int | None=None, **kwargs: Any):
         self.members = list(members or [])
+        self.max_position_embeddings = max_position_embeddings  # the smallest member's context
         self.mix = mix
         self.prior = list(prior) if prior is not None else None
         self.vocab_size = vocab_size
@@ -197,18 +199,32 @@ class PathsEnsembleForCausalLM(PreTrainedModel):
 
     # -- decoding -----------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor=None, attention_mask: torch.Tensor | None=None, max_new_tokens: int=20, do_sample: bool=False, temperature: float=1.0, top_p: float=1.0,
-                 eos_token_id: int | None=None, pad_token_id: int | None=None, generator: torch.Generator | None=None, **kwargs: Any):
-        """Decode from the mixture: greedy, or sampling with temperature / top_p; each member keeps
-        its own KV cache, and the posterior is updated with every token. Returns (B, T + new)."""
-        unknown = set(kwargs) - {"use_cache", "return_dict_in_generate", "output_scores", "num_beams", "synced_gpus"}
-        if unknown or kwargs.get("num_beams", 1) != 1 or kwargs.get("return_dict_in_generate"):
-            raise TypeError(f"paths ensemble generate(): unsupported arguments {sorted(unknown) or sorted(kwargs)}; it supports max_new_tokens, do_sample, temperature, top_p, eos_token_id, pad_token_id")
+    def generate(self, input_ids: torch.Tensor=None, attention_mask: torch.Tensor | None=None, max_new_tokens: int | None=None, do_sample: bool | None=None,
+                 temperature: float | None=None, top_p: float | None=None, eos_token_id: int | list[int] | None=None, pad_token_id: int | None=None,
+                 generator: torch.Generator | None=None, max_length: int | None=None, stopping_criteria: Any=None, logits_processor: Any=None,
+                 generation_config: Any=None, top_k: int | None=None, **kwargs: Any):
+        """Decode from the mixture: greedy, or sampling with temperature / top_p / top_k; each member
+        keeps its own KV cache, and the posterior is updated with every token. Returns (B, T + new).
+
+        Takes what transformers' `generate` is called with by lm-eval, TRL and pipelines:
+        `max_length` (prompt included) when `max_new_tokens` is not given, `stopping_criteria` and
+        `logits_processor` lists (honoured), a `generation_config` (its fields are defaults), and
+        `use_cache`, `output_scores`, `synced_gpus`, ... (harmless here, ignored). Beam search and
+        dict outputs are refused."""
+        if kwargs.get("num_beams", 1) != 1 or kwargs.get("return_dict_in_generate"):
+            raise TypeError("paths ensemble generate(): beam search and return_dict_in_generate are not supported; decode greedily or by sampling")
+        gc = generation_config
+        pick = lambda given, name, default: given if given is not None else (getattr(gc, name, None) if gc is not None and getattr(gc, name, None) is not None else default)  # noqa: E731
+        max_length = pick(max_length, "max_length", None) if max_new_tokens is None else None
+        max_new_tokens = pick(max_new_tokens, "max_new_tokens", None)
+        if max_new_tokens is None:
+            max_new_tokens = max(0, max_length - input_ids.shape[1]) if max_length is not None else 20
+        do_sample, temperature, top_p, top_k = pick(do_sample, "do_sample", False), pick(temperature, "temperature", 1.0), pick(top_p, "top_p", 1.0), pick(top_k, "top_k", 0)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        eos = self.config.eos_token_id if eos_token_id is None else eos_token_id
+        eos = pick(eos_token_id, "eos_token_id", self.config.eos_token_id)
         eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else set()
-        pad = self.config.pad_token_id if pad_token_id is None else pad_token_id
+        pad = pick(pad_token_id, "pad_token_id", self.config.pad_token_id)
         pad = 0 if pad is None else pad
         lp, tok, route, caches = self._prefix(input_ids, attention_mask, use_cache=True)
         log_lik, last = tok.sum(-1), lp[:, :, -1]  # (J, B), (J, B, V)
@@ -216,10 +232,17 @@ class PathsEnsembleForCausalLM(PreTrainedModel):
         out, done = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         for _ in range(max_new_tokens):
             mixed = torch.logsumexp(last + self._weights(log_lik, route).unsqueeze(-1), dim=0)  # (B, V)
+            if logits_processor is not None:
+                mixed = logits_processor(out, mixed)
+            if do_sample and top_k:
+                mixed = mixed.masked_fill(mixed < mixed.topk(min(top_k, mixed.shape[-1]), dim=-1).values[:, -1:], float("-inf"))
             token = self._pick(mixed, do_sample, temperature, top_p, generator)  # (B,)
             token = torch.where(done, torch.full_like(token, pad), token)
             out = torch.cat([out, token[:, None]], dim=-1)
             done = done | torch.tensor([int(t) in eos for t in token], device=token.device)
+            if stopping_criteria is not None:
+                stop = stopping_criteria(out, mixed)
+                done = done | (stop if isinstance(stop, torch.Tensor) else torch.full_like(done, bool(stop))).to(done.device).bool()
             if bool(done.all()):
                 break
             log_lik = log_lik + last.gather(-1, token.view(1, -1, 1).expand(last.shape[0], -1, 1)).squeeze(-1) * (~done).float()

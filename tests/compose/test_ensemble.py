@@ -210,3 +210,34 @@ def test_generate_with_left_padding_equals_each_prompt_alone(hdee):
         together = model.generate(batch, attention_mask=mask, max_new_tokens=6, eos_token_id=[])
         alone = [model.generate(p[None], max_new_tokens=6, eos_token_id=[])[0, -6:] for p in (long, short)]
     assert torch.equal(together[0, -6:], alone[0]) and torch.equal(together[1, -6:], alone[1])
+
+
+def test_generate_takes_what_evaluators_pass_and_the_config_says_the_context(hdee):
+    """lm-eval, TRL and pipelines call generate() with max_length, stopping criteria, logits
+    processors, pad_token_id, use_cache, a generation config: honoured, or harmless."""
+    from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+    compose_ensemble(hdee, "evalkw", members=["code-xs", "math-s"], prior_data="dom", prior_docs=10)
+    model = load(hdee, "evalkw")
+    contexts = [member(hdee, n).config.max_position_embeddings for n in ("code-xs", "math-s")]
+    assert model.config.max_position_embeddings == min(contexts)
+    x = heldout(hdee, "math", 2, tokens=12)
+    plain = model.generate(x, max_new_tokens=6, eos_token_id=[])
+    assert torch.equal(model.generate(x, max_length=x.shape[1] + 6, eos_token_id=[], use_cache=True, output_scores=False, synced_gpus=False), plain)
+    assert torch.equal(model.generate(x, generation_config=GenerationConfig(max_new_tokens=6, do_sample=False), eos_token_id=[]), plain)
+
+    class AfterThree(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= x.shape[1] + 3, dtype=torch.bool)
+
+    stopped = model.generate(x, max_new_tokens=6, eos_token_id=[], stopping_criteria=StoppingCriteriaList([AfterThree()]), pad_token_id=0, attention_mask=torch.ones_like(x))
+    assert torch.equal(stopped, plain[:, : x.shape[1] + 3])
+
+    class Force(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            return torch.full_like(scores, -1e9).index_fill(-1, torch.tensor([7]), 0.0)
+
+    forced = model.generate(x, max_new_tokens=4, eos_token_id=[], logits_processor=LogitsProcessorList([Force()]))
+    assert (forced[:, x.shape[1]:] == 7).all()
+    with pytest.raises(TypeError, match="beam search"):
+        model.generate(x, max_new_tokens=2, num_beams=2)
