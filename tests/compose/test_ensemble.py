@@ -241,3 +241,48 @@ def test_generate_takes_what_evaluators_pass_and_the_config_says_the_context(hde
     assert (forced[:, x.shape[1]:] == 7).all()
     with pytest.raises(TypeError, match="beam search"):
         model.generate(x, max_new_tokens=2, num_beams=2)
+
+
+LM_EVAL_TASKS = {
+    "paths_mc": "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\nmetric_list:\n  - metric: acc\n",
+    "paths_ppl": "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\nmetric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n",
+    "paths_gen": "output_type: generate_until\ndoc_to_text: '{{prompt}}'\ndoc_to_target: '{{answer}}'\ngeneration_kwargs:\n  until: ['\\n']\n  max_gen_toks: 8\n  do_sample: false\n"
+                 "metric_list:\n  - metric: exact_match\n",
+}
+
+
+def test_lm_evaluation_harness_runs_on_a_composed_moe_and_an_ensemble(hdee, tmp_path):
+    """EleutherAI's lm-evaluation-harness (`lm_eval --model hf`, offline, local tasks written
+    here): a multiple-choice, a loglikelihood_rolling and a generate_until task, on a composed
+    MoE and on an ensemble (trust_remote_code)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("lm_eval")
+    from compose.merge import compose_moe
+
+    rows = {
+        "paths_mc": [{"question": f"What is {i} + 1?", "choices": [str(i + 1), str(i + 2)], "label": 0} for i in range(6)],
+        "paths_ppl": [{"text": f"def f{i}(x):\n    return x + {i}\n"} for i in range(4)],
+        "paths_gen": [{"prompt": f"Compute {i} + 1. Answer:", "answer": f" {i + 1}"} for i in range(4)],
+    }
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    for name, body in LM_EVAL_TASKS.items():
+        data = tmp_path / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows[name]))
+        (tasks / f"{name}.yaml").write_text(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n{body}")
+    compose_moe(hdee, "lm-eval-moe", overwrite=True)
+    compose_ensemble(hdee, "lm-eval-ens", members=["code-xs", "math-s"], prior_data="dom", prior_docs=10, overwrite=True)
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    for name in ("lm-eval-moe", "lm-eval-ens"):
+        out = tmp_path / f"out-{name}"
+        cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={hdee.store.path(f'composed/{name}')},trust_remote_code=True,dtype=float32",
+               "--tasks", ",".join(LM_EVAL_TASKS), "--include_path", str(tasks), "--device", "cpu", "--batch_size", "2", "--output_path", str(out)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results = json.loads(next(p for p in out.rglob("results*.json")).read_text())["results"]
+        assert 0 <= results["paths_mc"]["acc,none"] <= 1 and results["paths_ppl"]["bits_per_byte,none"] > 0
+        assert "exact_match,none" in results["paths_gen"], results
