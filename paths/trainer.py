@@ -246,7 +246,7 @@ class Trainer:
                 cb.stepped(self, record)
             bar.update(1)
             bar.set_postfix(loss=f"{self.loss:.3f}", tok_s=f"{rate:,.0f}", **{k: v for cb in self.callbacks for k, v in cb.postfix().items()})
-            due = (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or self._all_agree(time.time() - last_ckpt_time > cfg.checkpoint_minutes * 60)
+            due = (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or ranks_agree(acc, time.time() - last_ckpt_time > cfg.checkpoint_minutes * 60, "any")
             between = self.step % multiple == 0  # grpo: not inside a rollout's iterations
             if due and between and self.step < cfg.steps:
                 self.save_checkpoint()
@@ -256,12 +256,6 @@ class Trainer:
         bar.close()
         self._check_stop()
         return Result(start, self.step, self.tokens, self.loss)
-
-    def _all_agree(self, flag: bool) -> bool:
-        """True on every rank when it is true on any (so every rank reaches the same collectives)."""
-        if self.acc.num_processes == 1:
-            return flag
-        return bool(self.acc.reduce(torch.tensor([int(flag)], device=self.acc.device), reduction="sum").item())
 
     def _resume(self) -> int:
         resumed = checkpoint.load_latest(self.run, self.unit, self.job)
@@ -354,6 +348,15 @@ class Trainer:
                 for cb in self.callbacks:
                     cb.interrupted(self, self.step, name)
             raise Interrupted(f"stopped by {name} at step {self.step} of {self.desc} {self.unit}: checkpoint committed; resume: {self.resume_hint}")
+
+
+def ranks_agree(acc: Any, flag: bool, how: str = "all") -> bool:
+    """`flag` agreed by every rank: true when it holds on all of them (`all`) or on any (`any`), so
+    every rank takes the same branch and reaches the same collectives."""
+    if acc.num_processes == 1:
+        return flag
+    holding = int(acc.reduce(torch.tensor([int(flag)], device=acc.device), reduction="sum").item())
+    return holding == acc.num_processes if how == "all" else holding > 0
 
 
 def _gather_objects(obj: Any) -> list[Any]:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from paths.errors import ConfigurationError, DataError
-from paths.trainer import Callback
+from paths.trainer import Callback, ranks_agree
 from paths.work.rewards import Reward, score
 from paths.work.sampling import complete, device_of, evaluate, forward_arguments, left_pad, record_fields
 
@@ -298,7 +298,7 @@ class GRPOStep:
             silent += len(flags) - len(signal)  # dropped: no signal (surplus groups with signal are not counted)
             kept.append(samples.select(signal[: need - have], cfg.group_size))
             have += len(signal[: need - have])
-            if _all_ranks(acc, have >= need):
+            if ranks_agree(acc, have >= need, "all"):
                 break
             if rounds >= cfg.max_sampling_rounds:
                 raise DataError(f"dynamic sampling found {have} of {need} prompt groups with signal in {rounds} rounds ({drawn} prompts) of dataset {self.dataset!r}: "
@@ -311,14 +311,6 @@ class GRPOStep:
                 log.warning("grpo: no group of rollout %d had reward variance (%d prompts x %d; %d such rollouts so far): those steps learn nothing; "
                             "turn on dynamic_sampling, or use prompts the model sometimes solves", self.rollouts, len(samples.records), cfg.group_size, self.silent)
         return to_rollout(samples, model, self.ref_model, cfg, self.tokenizer, time.perf_counter() - t0, stats)
-
-
-def _all_ranks(acc: Any, flag: bool) -> bool:
-    """True when `flag` holds on every rank (so all ranks sample the same number of rounds)."""
-    if acc.num_processes == 1:
-        return flag
-    t = torch.tensor([0 if flag else 1], device=acc.device)
-    return int(acc.reduce(t, reduction="sum")) == 0
 
 
 class HeldoutReward(Callback):

@@ -4,9 +4,10 @@ Materialize the unit (cut from base/, or its `final/` for a stage after another)
 its data and its step (lm / sft: `paths.steps.LMStep`; grpo: `GRPOStep`); then `Trainer.fit`
 (paths/trainer.py) runs the loop, with two callbacks: `LeaseKeeper` renews the lease from a
 heartbeat thread (`paths train` starts it the moment it has the lease, before importing torch or
-materializing anything, so a lease is covered from the first second) and fences every commit (a refused renewal stops the loop before anything more is
-written), and `Signals` turns SIGTERM / SIGINT into a committed checkpoint, the unit handed back
-(state `open`) and exit 143. Only rank 0 touches the run.
+materializing anything, so a lease is covered from the first second) and fences every commit (a
+refused renewal stops the loop before anything more is written), and `Signals` turns SIGTERM /
+SIGINT into a committed checkpoint, the unit handed back (state `open`) and exit 143. Only rank 0
+touches the run.
 """
 
 from __future__ import annotations
@@ -123,14 +124,10 @@ def train(
     """Train a unit to cfg.steps, resuming from its newest checkpoint of this job (mode, dataset,
     freeze); returns the summary. `rewards` (grpo): `NAME[=WEIGHT]` or `module:function[=WEIGHT]`.
     `init`: start from the unit cut from base/, or from its `final/` (a stage after another).
-    `heartbeat`: the lease's, already renewing (`paths train` starts it before any heavy work);
-    stopped when training ends, whatever happens."""
-    try:
-        with torch.enable_grad():  # whatever the caller's global grad mode
-            return _train(run, path_id, mode, dataset, cfg, lease, show_progress, list(rewards or ["math_answer"]), init, heartbeat)
-    finally:
-        if heartbeat is not None:
-            heartbeat.stop()
+    `heartbeat`: the lease's, already renewing (`paths train` starts it before any heavy work and
+    stops it however training ends); the trainer adopts it."""
+    with torch.enable_grad():  # whatever the caller's global grad mode
+        return _train(run, path_id, mode, dataset, cfg, lease, show_progress, list(rewards or ["math_answer"]), init, heartbeat)
 
 
 def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, lease: Lease | None, show_progress: bool, rewards: list[str], init: str,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 
 import pytest
@@ -21,24 +20,16 @@ from paths.work.tasks import arithmetic, write_jsonl
 from paths.work.train import train
 from paths.train_config import load_config
 from sharding.shard import ShardOptions, shard
+from tests.paths.work.conftest import FAST, loaded, metrics, prompt_run
 from tests.sharding.conftest import make_run
 
 TOY = "tests.paths.toy_rewards:even_first_char"
-FAST = ["batch_size=4", "group_size=8", "max_new_tokens=4", "warmup_steps=1", "min_lr_ratio=1.0", "checkpoint_every=0"]
 
 
 @pytest.fixture
 def rl_run(tmp_path, tokenizer_dir):
-    """A one-level run (4 experts) with 200 arithmetic prompts routed by hash."""
-    run = make_run(str(tmp_path / "run"), tokenizer_dir, 1)
-    f = str(tmp_path / "tasks.jsonl")
-    write_jsonl(arithmetic(200, [1, 2]), f)
-    shard(run, ShardOptions(dataset="rl", inputs=[f], kind="prompts", text_field="prompt", holdout=0.0))
-    return run
-
-
-def metrics(run, path):
-    return [json.loads(x) for x in run.store.read(f"work/{path}/metrics.jsonl").decode().splitlines()]
+    """200 arithmetic prompts routed by hash, none held out."""
+    return prompt_run(tmp_path, tokenizer_dir, holdout=0.0)
 
 
 # -- the pieces, by hand ----------------------------------------------------------------------------
@@ -92,18 +83,12 @@ def test_a_toy_reward_rises_within_30_cpu_steps(rl_run):
 
 
 @pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo"])
-def test_accumulating_4x1_equals_1x4(rl_run, loss):
+def test_accumulating_4x1_equals_1x4(rl_run, tmp_path, loss):
     from accelerate import Accelerator
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from paths.models import materialize
     from sharding.dataset import read_prompts
 
-    folder = os.path.join(str(rl_run.store.root), "..", "p00-init")
-    materialize(rl_run, "p00", folder)
-    tok = AutoTokenizer.from_pretrained(folder)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model, tok = loaded(rl_run, tmp_path)
     cfg = load_config(sets=FAST + [f"loss={loss}", "group_size=4", "iterations=2"], steps=1)
     records = read_prompts(rl_run, "rl", "p00")[:4]
     ro = rollout(model, None, records, [load_reward(TOY)], cfg, tok)
@@ -196,15 +181,11 @@ def test_prompts_without_answers_and_small_groups(rl_run, tmp_path):
 def test_lean_sampler_matches_the_model_and_keeps_the_cache_right(rl_run, tmp_path):
     """Greedy-equivalent check: at temperature -> 0 our KV-cached loop picks transformers'
     greedy tokens (left padding and positions included)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from paths.models import materialize
     from paths.work.sampling import generate, left_pad
     from sharding.dataset import read_prompts
 
-    materialize(rl_run, "p00", str(tmp_path / "m"))
-    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(str(tmp_path / "m"))
+    model, tok = loaded(rl_run, tmp_path)
+    model.eval()
     records = read_prompts(rl_run, "rl", "p00")[:5]
     ids, mask = left_pad([r["ids"] for r in records], tok.pad_token_id)
     ours = generate(model, ids, mask, 8, 1e-6, 1.0, eos_id=-1, pad_id=tok.pad_token_id)
@@ -215,14 +196,11 @@ def test_lean_sampler_matches_the_model_and_keeps_the_cache_right(rl_run, tmp_pa
 def test_a_group_prefilled_once_samples_what_separate_prompts_sample(rl_run, tmp_path):
     """One prefill per prompt, its KV cache copied for the G completions (near-greedy, so the
     draws are fixed): the same tokens as prefilling every copy."""
-    from transformers import AutoModelForCausalLM
-
-    from paths.models import materialize
     from paths.work.sampling import generate, left_pad
     from sharding.dataset import read_prompts
 
-    materialize(rl_run, "p00", str(tmp_path / "m"))
-    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), dtype=torch.float32).eval()
+    model, _ = loaded(rl_run, tmp_path)
+    model.eval()
     prompts = [r["ids"] for r in read_prompts(rl_run, "rl", "p00")[:3]]
     once = generate(model, *left_pad(prompts, 0), 6, 1e-6, 1.0, eos_id=-1, pad_id=0, repeats=4)
     each = generate(model, *left_pad([p for p in prompts for _ in range(4)], 0), 6, 1e-6, 1.0, eos_id=-1, pad_id=0)

@@ -18,39 +18,18 @@ from paths.units import decomposed_paths
 from paths.work.grpo import GRPOStep, overlong_penalty, reduce_loss, rollout
 from paths.work.rewards import load_reward
 from paths.work.sampling import check_prompts
-from paths.work.tasks import arithmetic, write_jsonl
 from paths.work.train import train
 from sharding.dataset import read_prompts
 from sharding.shard import ShardOptions, shard
-from tests.sharding.conftest import make_run
+from tests.paths.work.conftest import FAST, loaded, metrics, prompt_run
 
 TOYS = "tests.paths.toy_rewards"
-FAST = ["batch_size=4", "group_size=8", "max_new_tokens=4", "warmup_steps=1", "min_lr_ratio=1.0", "checkpoint_every=0"]
 
 
 @pytest.fixture
 def rl_run(tmp_path, tokenizer_dir):
-    """A one-level run with 200 arithmetic prompts (levels 1 and 2) routed by hash, 20% held out."""
-    run = make_run(str(tmp_path / "run"), tokenizer_dir, 1)
-    f = str(tmp_path / "tasks.jsonl")
-    write_jsonl(arithmetic(200, [1, 2]), f)
-    shard(run, ShardOptions(dataset="rl", inputs=[f], kind="prompts", text_field="prompt", id_field="id", holdout=0.2))
-    return run
-
-
-def metrics(run, path):
-    return [json.loads(x) for x in run.store.read(f"work/{path}/metrics.jsonl").decode().splitlines()]
-
-
-def loaded(run, tmp_path, path="p00"):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from paths.models import materialize
-
-    folder = str(tmp_path / f"{path}-init")
-    materialize(run, path, folder)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), AutoTokenizer.from_pretrained(folder)
+    """200 arithmetic prompts routed by hash, 20% held out, with their ids."""
+    return prompt_run(tmp_path, tokenizer_dir, holdout=0.2, id_field="id")
 
 
 # -- normalisation and shaping by hand -----------------------------------------------------------------
