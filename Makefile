@@ -19,7 +19,7 @@ $(PY):
 $(VENV)/.installed: pyproject.toml | $(PY)
 	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
 	@$(PY) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > $(VENV)/constraints.txt
-	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e '.[dev,math,eval]'
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e '.[dev,math,eval,tensorboard]'
 	@touch $@
 
 install: $(VENV)/.installed

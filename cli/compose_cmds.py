@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import click
+
+from cli.work_cmds import report_options
 
 run_arg = click.argument("run", envvar="PATHS_RUN")
 
@@ -123,14 +127,15 @@ def next_round(run: str, source: str) -> None:
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override one training setting (repeatable).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing composed/OUT/.")
 @click.option("--no-progress", is_flag=True)
-def finetune_moe(run: str, source: str, dataset: str, out: str | None, what: str, steps: int | None, aux_loss: float, moe_backend: str, checkpoint_every: int | None, config_file: str | None, sets: tuple[str, ...], overwrite: bool, no_progress: bool) -> None:
+@report_options
+def finetune_moe(run: str, source: str, dataset: str, out: str | None, what: str, steps: int | None, aux_loss: float, moe_backend: str, checkpoint_every: int | None, config_file: str | None, sets: tuple[str, ...], overwrite: bool, no_progress: bool, report_to: str | None, logging_dir: str | None) -> None:
     """Fine-tune a composed MoE's routing (Branch-Train-MiX) on data mixed from every path."""
     from compose.finetune import finetune_moe as do
     from paths.train_config import load_config
     from storage.layout import open_run
 
     name = _composed_name(source, "--model")
-    cfg = load_config(config_file, sets, steps=steps, checkpoint_every=checkpoint_every)
+    cfg = load_config(config_file, sets, steps=steps, checkpoint_every=checkpoint_every, report_to=report_to, logging_dir=logging_dir)
     summary = do(open_run(run), name, dataset, out or f"{name}-ft", cfg, train=what, aux_loss=aux_loss, backend=moe_backend, overwrite=overwrite, show_progress=not no_progress)
     click.echo(f"fine-tuned {summary['train']} of composed/{name} for {summary['steps']} steps ({summary['tokens']:,} tokens, {summary['backend']}); "
                f"final loss {summary['final_loss']:.4f} -> {run}/composed/{summary['name']}")
@@ -154,3 +159,19 @@ def _opted_out(excluded: dict) -> str:
     if len({str(r) for r in removed.values()}) == 1:
         return f"left out {', '.join(excluded['paths'])}: experts {next(iter(removed.values()))} removed from every layer{left}"
     return f"left out {', '.join(excluded['paths'])}: experts removed per layer {removed}{left}"
+
+
+@click.command("report")
+@run_arg
+@click.option("--out", help="Folder for index.html and the PNGs (default: reports/<run name>/).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing --out folder.")
+def report(run: str, out: str | None, overwrite: bool) -> None:
+    """One self-contained HTML page of the run: loss and reward curves, routing, claims, evals, composed models."""
+    from compose.report import write_report
+    from storage.layout import open_run
+
+    r = open_run(run)
+    done = write_report(r, out or os.path.join("reports", r.url.rstrip("/").rsplit("/", 1)[-1]), overwrite=overwrite)
+    for line in done.missing:
+        click.echo(f"(not in this run yet: {line})")
+    click.echo(f"wrote {done.index} ({len(done.images)} charts: {', '.join(os.path.basename(p) for p in done.images)})")

@@ -49,6 +49,7 @@ def _register() -> None:
     main.add_command(compose_cmds.evaluate)
     main.add_command(compose_cmds.next_round)
     main.add_command(compose_cmds.finetune_moe)
+    main.add_command(compose_cmds.report)
     main.add_command(storage_cmds.storage)
     storage_cmds.storage.add_command(work_cmds.release)  # `paths storage release`: the same admin override
     main.add_command(quickstart.quickstart)

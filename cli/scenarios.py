@@ -127,6 +127,16 @@ def _opening(root: str, levels: int) -> list[Stage]:
     ]
 
 
+def report_out(root: str) -> str:
+    """Where the quickstart writes a run's report: beside a local run (runs/quickstart-report/),
+    under reports/ for a bucket."""
+    return f"{root.rstrip('/')}-report" if "://" not in root else os.path.join("reports", root.rstrip("/").rsplit("/", 1)[-1])
+
+
+def _report(root: str) -> Command:
+    return Command(["report", root, "--out", report_out(root), "--overwrite"], note="(open it in a browser: charts and tables of everything above)")
+
+
 def main_scenario(root: str = DEFAULT_ROOT) -> Scenario:
     """Decompose, shard, train every path, compose, fine-tune the routers, evaluate, then HDEE
     domain experts ensembled, and the storage commands."""
@@ -156,6 +166,7 @@ def main_scenario(root: str = DEFAULT_ROOT) -> Scenario:
         Command(["storage", "ls", root, "--prefix", f"composed/{COMPOSED}"]),
         Command(["storage", "du", root]),
         Command(["storage", "verify", root]),
+        _report(root),
     ]
     return Scenario(root, stages)
 
@@ -222,6 +233,7 @@ def rl_scenario(root: str = RL_ROOT) -> Scenario:
         Command(["rejection-sample", root, "--model", "composed:rl", "--dataset", "arith", "--shard", "p00", "--n", "4", *RL_REWARDS[:2], "--out", accepted, "--no-progress"],
                 note="(R1's stage 3: verified completions, ready for `paths shard --kind prompts --answer-field completion` and --mode sft)"),
         Command(["storage", "verify", root]),
+        _report(root),
     ]
     return Scenario(root, stages)
 
@@ -248,6 +260,7 @@ def flexolmo_scenario(root: str = FLEX_ROOT) -> Scenario:
         Command(["compose", root, "--name", f"flexolmo-no-{FLEX_OPTED_OUT}", "--exclude", out, *embed], note=f"(the {FLEX_OPTED_OUT} owner opts out)"),
         Command(["eval", root, "--dataset", FLEX_DATASET, *(a for m in models for a in ("--model", m)), "--max-tokens", "20000"], note="perplexity per domain, heldout documents"),
         Command(["storage", "verify", root]),
+        _report(root),
     ]
     return Scenario(root, stages)
 

@@ -11,6 +11,13 @@ from cli.render import as_json, render_status
 run_arg = click.argument("run", envvar="PATHS_RUN")
 
 
+def report_options(fn: Any) -> Any:
+    """--report-to and --logging-dir: a copy of the metrics for an experiment tracker."""
+    fn = click.option("--logging-dir", help="Where the tracker writes (default: tracking/; TensorBoard: DIR/<run>/<unit>/).")(fn)
+    return click.option("--report-to", type=click.Choice(["none", "tensorboard", "wandb", "mlflow"]),
+                        help="Also log every step's metrics to TensorBoard, W&B (offline unless WANDB_MODE) or MLflow (each an extra: pip install 'paths[NAME]').")(fn)
+
+
 @click.command("claim")
 @run_arg
 @click.option("--path", "path_id", help="Claim this path or domain expert only (default: any claimable one).")
@@ -64,6 +71,7 @@ def claim(run: str, path_id: str | None, ttl: float, worker: str | None) -> None
 @click.option("--dynamic-sampling/--no-dynamic-sampling", default=None, help="grpo: drop groups whose rewards are all equal and sample more prompts until the batch is full (DAPO).")
 @click.option("--overlong", type=click.Choice(["none", "mask", "soft"]), help="grpo: completions cut at --max-new-tokens: keep, leave out of the loss, or penalise (with --set overlong_buffer=N).")
 @click.option("--eval-every", type=int, help="grpo: held-out reward (greedy) every N steps, in the metrics as heldout_reward.")
+@report_options
 def train(run: str | None, path_id: str | None, mode: str, dataset: str, steps: int | None, checkpoint_every: int | None, config_file: str | None, sets: tuple[str, ...], no_progress: bool, init: str, rewards: tuple[str, ...], **grpo: Any) -> None:
     """Train the claimed path, renewing its lease; checkpoints and exact resume."""
     from paths.train_config import load_config

@@ -21,6 +21,7 @@ import torch
 
 from paths.errors import ConfigurationError
 from paths.steps import LMStep, RoundRobin, ShardBatches, micro_loss
+from paths.tracking import accelerator
 from paths.train_config import TrainConfig
 from storage.layout import Run
 from storage.manifest import install
@@ -68,7 +69,6 @@ def finetune_moe(
     show_progress: bool = True,
 ) -> dict[str, Any]:
     """Fine-tune composed:<source> into composed/<out>/; returns the summary."""
-    from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -99,8 +99,7 @@ def finetune_moe(
             raise ConfigurationError(f"dataset {dataset!r} has no shard with more than {cfg.seq_len} training tokens")
         chosen = resolve_backend(backend)
 
-        cuda = torch.cuda.is_available()
-        acc = Accelerator(mixed_precision={"auto": "bf16" if cuda else "no", "bf16": "bf16", "fp32": "no"}[cfg.precision], cpu=not cuda)
+        acc = accelerator(cfg.precision, cfg.report_to, cfg.logging_dir)
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         routers = {fill(family.router["memory"], layer) for layer in range(model.config.num_hidden_layers)}

@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from paths.errors import ConfigurationError
+from paths.tracking import check_tracker
 
 try:
     import tomllib
@@ -60,6 +61,9 @@ class TrainConfig:
     overlong_buffer: int = 0
     eval_every: int = 0
     eval_prompts: int = 64
+    # experiment tracking (paths/tracking.py): a copy of the metrics for TensorBoard, W&B or MLflow
+    report_to: str = "none"
+    logging_dir: str = "tracking"
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "batch_size", "grad_accum", "steps"):
@@ -93,6 +97,7 @@ class TrainConfig:
             raise ConfigurationError(f"generation_batch_size {self.generation_batch_size} does not divide the rollout of {rollout} completions (grad_accum x batch_size x group_size): pick a divisor, e.g. {self.batch_size * self.group_size}")
         if self.freeze not in ("none", "shared"):
             raise ConfigurationError(f"freeze must be none or shared (--freeze shared trains only the path's experts), got {self.freeze!r}")
+        check_tracker(self.report_to)
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ConfigurationError(f"precision must be auto, fp32 or bf16, got {self.precision!r}")
 

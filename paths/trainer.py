@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import threading
 import time
@@ -121,6 +122,44 @@ class Signals(Callback):
         self.previous.clear()
 
 
+class Tracking(Callback):
+    """Copies each step's metrics to the tracker of cfg.report_to (paths/tracking.py; the
+    accelerator was made by `tracking.accelerator` with it): starts it with the training config,
+    logs every numeric metric at its step, ends it when the trainer closes. The run's folder name is
+    the project, the unit (path, expert, moe-NAME) the tracker's run. The trainer adds it itself."""
+
+    def __init__(self, run_name: str, report_to: str, logging_dir: str):
+        self.run_name, self.report_to, self.logging_dir = run_name, report_to, logging_dir
+        self.acc: Any = None
+
+    def started(self, trainer: "Trainer") -> None:
+        if self.acc is not None:
+            return
+        self.acc = trainer.acc
+        unit = trainer.unit
+        config = {**trainer.cfg.to_json(), **trainer.job, "unit": unit, "run": trainer.run.url}
+        if self.report_to == "tensorboard":  # one folder per unit: logging_dir/<run>/<unit>
+            project, kwargs = f"{self.run_name}/{unit}", {}
+        elif self.report_to == "wandb":
+            project, kwargs = self.run_name, {"wandb": {"name": unit, "dir": self.logging_dir, "mode": os.environ.get("WANDB_MODE", "offline")}}
+        else:
+            if not os.environ.get("MLFLOW_TRACKING_URI"):
+                import mlflow
+
+                mlflow.set_tracking_uri("file:" + os.path.abspath(os.path.join(self.logging_dir, "mlruns")))
+            project, kwargs = self.run_name, {"mlflow": {"run_name": unit}}
+        self.acc.init_trackers(project, config={k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))}, init_kwargs=kwargs)
+
+    def stepped(self, trainer: "Trainer", record: dict[str, Any]) -> None:
+        values = {k: v for k, v in record.items() if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        self.acc.log(values, step=record["step"])
+
+    def close(self) -> None:
+        if self.acc is not None:
+            self.acc.end_training()
+            self.acc = None
+
+
 @dataclass(slots=True)
 class Result:
     """What a fit did: the step it resumed from, the step, tokens and loss it ended at."""
@@ -200,6 +239,8 @@ class Trainer:
         self.run, self.unit, self.job, self.cfg = run, unit, dict(job), cfg
         self.model, self.step_fn, self.batches, self.acc = model, step, batches, acc
         self.callbacks = list(callbacks)
+        if cfg.report_to != "none":
+            self.callbacks.append(Tracking(run.url.rstrip("/").rsplit("/", 1)[-1], cfg.report_to, cfg.logging_dir))
         self.desc, self.show_progress, self.resume_hint = desc, show_progress, resume_hint
         self.stop = Stop()
         self.optimizer = make_optimizer(model, cfg)

@@ -29,6 +29,7 @@ from storage.layout import Run
 
 STATES = ("claimed", "done", "failed", "open")
 MIN_TTL = 5.0  # seconds: `paths train` takes about 1 s from start to its first renewal, then renews every ttl/3
+HISTORY = 32  # tenures kept in a claim record's history
 GRACE = (0.1, 0.25)  # a takeover waits this share of the holder's ttl past expiry (jittered, at most 30 s)
 
 
@@ -145,6 +146,7 @@ def claim(run: Run, paths: list[str], *, ttl: float = 600, worker: str | None = 
         }
         if record is not None:
             new["previous"] = {k: record.get(k) for k in ("worker", "state", "generation", "expires_at")}
+            new["history"] = history(record, now)
             for k in ("step", "tokens", "loss", "committed_step"):
                 if k in record:
                     new[k] = record[k]
@@ -157,6 +159,18 @@ def claim(run: Run, paths: list[str], *, ttl: float = 600, worker: str | None = 
             continue  # another worker won this one: try the next
         return Lease(run, path, worker, ttl, new_etag, new)
     raise NothingToClaim(f"nothing to claim in {run.url}: every path is done, failed or held by a live lease")
+
+
+def history(record: dict[str, Any], now: float) -> list[dict[str, Any]]:
+    """The record's tenures (who held the path, from when to when, how it ended), with the one
+    that `record` holds closed, the newest HISTORY of them: the claims timeline of `paths report`."""
+    past = [t for t in record.get("history", []) if isinstance(t, dict)]
+    if record.get("worker") and record.get("claimed_at") is not None:
+        state = record.get("state")
+        ended = {"claimed": "expired", "open": "released" if record.get("released_at") else "handed back"}.get(state, state)
+        until = record.get("released_at") or record.get("finished_at") or min(float(record.get("expires_at", now)), now)
+        past.append({"worker": record["worker"], "generation": record.get("generation"), "from": record["claimed_at"], "until": until, "ended": ended, "step": record.get("step")})
+    return past[-HISTORY:]
 
 
 class Heartbeat(threading.Thread):

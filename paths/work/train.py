@@ -28,6 +28,7 @@ from paths.families import PARTS
 from paths.models import fetch_final, materialize, materialize_expert
 from paths.steps import LMStep, ShardBatches
 from paths.train_config import TrainConfig
+from paths.tracking import accelerator
 from paths.trainer import Callback, Signals, Trainer
 from paths.units import data_id, is_expert
 from paths.work.claims import Heartbeat, Lease, keep_alive
@@ -132,7 +133,6 @@ def train(
 
 def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, lease: Lease | None, show_progress: bool, rewards: list[str], init: str,
            heartbeat: Heartbeat | None) -> dict[str, Any]:
-    from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -145,9 +145,7 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
         raise ConfigurationError(f"--init must be base or final, got {init!r}")
     reward_fns = [load_reward(r) for r in rewards] if mode == "grpo" else []
     hf_logging.disable_progress_bar()
-    cuda = torch.cuda.is_available()
-    precision = {"auto": "bf16" if cuda else "no", "bf16": "bf16", "fp32": "no"}[cfg.precision]
-    acc = Accelerator(mixed_precision=precision, cpu=not cuda)
+    acc = accelerator(cfg.precision, cfg.report_to, cfg.logging_dir)
     if not acc.is_main_process:
         run.store.read_only = True  # only rank 0 writes to the run
     shard_id = data_id(run, path_id, dataset_manifest(run, dataset))  # a domain expert may read its domain's shard

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from click.testing import CliRunner
+from PIL import Image
 
 from cli.main import main
 
@@ -15,6 +16,10 @@ def test_quickstart_end_to_end_and_rerun(tmp_path):
         assert "MistralForCausalLM with 188,992 parameters (path.json says 188,992)" in result.stdout
         assert "all checksums match" in result.stdout
     assert "already holds a base model" in result.stdout
+    assert f"wrote {root}-report/index.html (3 charts: loss.png, routing.png, claims.png)" in result.stdout  # the quickstart ends with its report
+    for chart in ("loss", "routing", "claims"):
+        with Image.open(f"{root}-report/{chart}.png") as im:
+            im.load()
 
 
 def test_flexolmo_scenario_composes_and_opts_out(tmp_path):
@@ -49,3 +54,6 @@ def test_rl_scenario_raises_accuracy_and_the_composed_moe_keeps_it(tmp_path):
     metrics = [json.loads(x) for x in run.store.read("work/p00/metrics.jsonl").decode().splitlines()]
     solved = [m["reward/math_answer"] for m in metrics]
     assert "heldout_reward" in metrics[9] and sum(solved[-20:]) > sum(solved[:20])  # the sampled completions improve too
+    assert f"wrote {root}-report/index.html (3 charts: reward.png, routing.png, claims.png)" in result.stdout
+    with Image.open(f"{root}-report/reward.png") as im:
+        im.load()
