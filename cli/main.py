@@ -45,6 +45,7 @@ def _register() -> None:
     for command in (work_cmds.claim, work_cmds.train, work_cmds.release, work_cmds.status, work_cmds.gen_tasks):
         main.add_command(command)
     main.add_command(rl_cmds.rejection_sample)
+    main.add_command(rl_cmds.rollout)
     main.add_command(compose_cmds.compose)
     main.add_command(compose_cmds.evaluate)
     main.add_command(compose_cmds.next_round)

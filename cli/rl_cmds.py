@@ -32,3 +32,43 @@ def rejection_sample(run: str, model_spec: str, dataset: str, shard: str | None,
     r = do(open_run(run), model_spec, dataset, out, shard=shard, split=split, n=n, keep=keep, rewards=list(rewards), min_reward=min_reward,
            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, limit=limit, seed=seed, show_progress=not no_progress)
     click.echo(f"kept {r['kept']} of {r['sampled']} completions ({r['prompts_solved']} of {r['prompts']} prompts solved at least once) from {model_spec} -> {out}")
+
+
+@click.command("rollout")
+@click.argument("run", envvar="PATHS_RUN")
+@click.option("--path", "path_id", required=True, help="The path whose asynchronous trainer this worker feeds.")
+@click.option("--dataset", required=True, help="The prompt dataset the trainer trains on.")
+@click.option("--worker", help="This worker's name in the batch keys (default: hostname-random).")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "int8"]), default="fp32", show_default=True, help="Sample in this precision; int8: dynamically quantized linear layers (QuaRL).")
+@click.option("--batches", default=1, show_default=True, help="Rollout batches to write, then stop.")
+@click.option("--wait", default=600.0, show_default=True, help="Seconds to wait for the trainer's first policy version.")
+@click.option("--reward", "rewards", multiple=True, metavar="SPEC[=W]", help="Verifiers, as the trainer's (it recomputes them anyway; default math_answer).")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="A TOML like configs/train/grpo.toml (batch_size, group_size, max_new_tokens, temperature).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override one setting (repeatable): must match the trainer's batch_size, group_size, temperature, top_p.")
+@click.option("--no-progress", is_flag=True)
+def rollout(run: str, path_id: str, dataset: str, worker: str | None, dtype: str, batches: int, wait: float, rewards: tuple[str, ...], config_file: str | None, sets: tuple[str, ...], no_progress: bool) -> None:
+    """A rollout worker: sample batches from the newest published policy of a path and write them
+    to the run for `paths train --mode grpo --rollouts store` (runs on CPU machines too)."""
+    from tqdm import tqdm
+
+    from paths.train_config import load_config
+    from paths.work.claims import default_worker
+    from paths.work.rewards import load_reward
+    from paths.work.rollouts import rollout_worker
+    from storage.layout import open_run
+
+    cfg = load_config(config_file, sets, mode="grpo")
+    name = worker or default_worker()
+    reward_fns = [load_reward(r) for r in rewards or ["math_answer"]]
+    bar = tqdm(total=batches, desc=f"rollout {path_id} ({name}, {dtype})", disable=no_progress)
+
+    def shown(b: dict) -> None:
+        bar.update(1)
+        bar.set_postfix(version=b["version"], reward=f"{b['reward_mean']:.3f}", tok_s=f"{b['tokens_per_s']:,.0f}")
+
+    try:
+        summary = rollout_worker(open_run(run), path_id, dataset, cfg, reward_fns, worker=name, dtype=dtype, batches=batches, wait=wait, on_batch=shown)
+    finally:
+        bar.close()
+    click.echo(f"wrote {summary['batches']} rollout batches of {path_id} as {name} ({dtype}, last policy version {summary['last_version']}, "
+               f"{summary['tokens_per_s']:,.0f} tokens/s, {summary['dropped_stale']} dropped as too stale, {summary['reloads']} policy loads)")

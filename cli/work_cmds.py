@@ -71,6 +71,8 @@ def claim(run: str, path_id: str | None, ttl: float, worker: str | None) -> None
 @click.option("--dynamic-sampling/--no-dynamic-sampling", default=None, help="grpo: drop groups whose rewards are all equal and sample more prompts until the batch is full (DAPO).")
 @click.option("--overlong", type=click.Choice(["none", "mask", "soft"]), help="grpo: completions cut at --max-new-tokens: keep, leave out of the loss, or penalise (with --set overlong_buffer=N).")
 @click.option("--eval-every", type=int, help="grpo: held-out reward (greedy) every N steps, in the metrics as heldout_reward.")
+@click.option("--rollouts", type=click.Choice(["local", "store"]), help="grpo: sample here (local), or consume verified batches of `paths rollout` workers through the run (store).")
+@click.option("--max-async", type=int, help="grpo --rollouts store: how many policy versions a rollout batch may lag (default 2).")
 @report_options
 def train(run: str | None, path_id: str | None, mode: str, dataset: str, steps: int | None, checkpoint_every: int | None, config_file: str | None, sets: tuple[str, ...], no_progress: bool, init: str, rewards: tuple[str, ...], **grpo: Any) -> None:
     """Train the claimed path, renewing its lease; checkpoints and exact resume."""

@@ -61,6 +61,17 @@ class TrainConfig:
     overlong_buffer: int = 0
     eval_every: int = 0
     eval_prompts: int = 64
+    # --mode grpo --rollouts store: asynchronous RL through the bucket (paths/work/rollouts.py)
+    rollouts: str = "local"
+    max_async: int = 2
+    mismatch: str = "icepop"
+    mismatch_low: float = 0.5
+    mismatch_high: float = 2.0
+    mismatch_delta: float = 0.3
+    rollout_wait: float = 60.0
+    verify_rows: int = 2
+    verify_tolerance: float = 0.05
+    max_rejections: int = 3
     # experiment tracking (paths/tracking.py): a copy of the metrics for TensorBoard, W&B or MLflow
     report_to: str = "none"
     logging_dir: str = "tracking"
@@ -98,6 +109,21 @@ class TrainConfig:
         if self.freeze not in ("none", "shared"):
             raise ConfigurationError(f"freeze must be none or shared (--freeze shared trains only the path's experts), got {self.freeze!r}")
         check_tracker(self.report_to)
+        if self.rollouts not in ("local", "store"):
+            raise ConfigurationError(f"rollouts must be local (sample here) or store (rollout batches from `paths rollout` workers), got {self.rollouts!r}")
+        if self.max_async < 0:
+            raise ConfigurationError(f"--max-async must be >= 0 (how many policy versions a rollout batch may lag), got {self.max_async}")
+        if self.mismatch not in ("icepop", "ipo", "none"):
+            raise ConfigurationError(f"mismatch must be icepop, ipo or none, got {self.mismatch!r}")
+        if not 0 < self.mismatch_low <= 1 <= self.mismatch_high or self.mismatch_delta <= 0:
+            raise ConfigurationError(f"need 0 < mismatch_low <= 1 <= mismatch_high and mismatch_delta > 0, got {self.mismatch_low}, {self.mismatch_high}, {self.mismatch_delta}")
+        for name in ("rollout_wait", "verify_tolerance"):
+            if getattr(self, name) < 0:
+                raise ConfigurationError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.verify_rows < 1 or self.max_rejections < 1:
+            raise ConfigurationError(f"verify_rows and max_rejections must be >= 1, got {self.verify_rows} and {self.max_rejections}")
+        if self.rollouts == "store" and (self.dynamic_sampling or self.iterations > 1):
+            raise ConfigurationError("--rollouts store takes each batch as the workers sampled it: turn dynamic_sampling off and keep iterations = 1")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ConfigurationError(f"precision must be auto, fp32 or bf16, got {self.precision!r}")
 
@@ -151,4 +177,7 @@ def load_config(config_file: str | None = None, sets: list[str] | tuple[str, ...
     unknown = sorted(set(values) - set(known))
     if unknown:
         raise ConfigurationError(f"unknown training setting {unknown[0]!r}: valid keys are {', '.join(sorted(known))}")
-    return TrainConfig(**{k: _coerce(k, v, types.get(k, float)) for k, v in values.items()})
+    cfg = TrainConfig(**{k: _coerce(k, v, types.get(k, float)) for k, v in values.items()})
+    if mode is not None and mode != "grpo" and cfg.rollouts == "store":
+        raise ConfigurationError(f"--rollouts store feeds --mode grpo from rollout workers; --mode {mode} trains on the dataset itself")
+    return cfg

@@ -9,6 +9,8 @@ data/<dataset>/manifest.json data/<dataset>/<path>.zarr
 claims/<path>.json           leases (conditional writes only)
 work/<path>/ckpt-<step>/     checkpoints (committed once COMMITTED exists); work/<path>/final/
 composed/<name>/             composed checkpoints
+policy/<path>/v<N>/          policy versions an asynchronous trainer publishes; policy/<path>/latest.json
+rollouts/<path>/batches/<worker>/<batch>.safetensors   rollout batches (create-only); rollouts/<path>/rejected/
 ```
 """
 
@@ -108,6 +110,14 @@ class Run:
     def final(self, path_id: str) -> str:
         """work/<path>/final/"""
         return f"{self.work(path_id)}/final"
+
+    def policy(self, path_id: str) -> str:
+        """policy/<path>/: the policy versions of an asynchronous GRPO trainer (v<N>/, latest.json)."""
+        return f"policy/{validate_name('path', path_id)}"
+
+    def rollouts(self, path_id: str) -> str:
+        """rollouts/<path>/: batches/<worker>/<batch>.safetensors from rollout workers, rejected/."""
+        return f"rollouts/{validate_name('path', path_id)}"
 
     def composed(self, name: str) -> str:
         """composed/<name>/"""

@@ -68,6 +68,18 @@ def clipped_surrogate(logp_NC: torch.Tensor, old_NC: torch.Tensor, adv_N: torch.
     return -torch.min(unclipped, clipped), (clipped < unclipped)
 
 
+def mismatch_keep(train_NC: torch.Tensor, behaviour_NC: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
+    """1 for the tokens whose trainer and sampler probabilities agree, 0 for those masked out of
+    the loss: `icepop` masks a ratio p_train / p_sampler outside [mismatch_low, mismatch_high],
+    `ipo` (prime-rl) an absolute difference |p_train - p_sampler| above mismatch_delta."""
+    if cfg.mismatch == "none":
+        return torch.ones_like(train_NC)
+    if cfg.mismatch == "icepop":
+        ratio = torch.exp(train_NC - behaviour_NC)
+        return ((ratio >= cfg.mismatch_low) & (ratio <= cfg.mismatch_high)).float()
+    return ((torch.exp(train_NC) - torch.exp(behaviour_NC)).abs() <= cfg.mismatch_delta).float()
+
+
 def kl_k3(logp_NC: torch.Tensor, ref_NC: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(policy || reference): exp(ref - logp) - (ref - logp) - 1."""
     d = ref_NC - logp_NC
@@ -128,6 +140,12 @@ def sample_and_score(model: torch.nn.Module, records: list[dict[str, Any]], rewa
     """Sample G completions per record and score them (rewards + overlong shaping)."""
     completion_ids, truncated = complete(model, records, cfg.group_size, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                                          chunk=cfg.generation_batch_size or cfg.batch_size * cfg.group_size)
+    return score_samples(records, completion_ids, truncated, rewards, cfg, tokenizer)
+
+
+def score_samples(records: list[dict[str, Any]], completion_ids: list[list[int]], truncated: list[bool], rewards: list[Reward], cfg: TrainConfig, tokenizer: Any) -> Samples:
+    """Score G completions per record from their token ids (decoded here): the rewards, plus the
+    overlong shaping."""
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     prompts = [r["prompt"] for r in records for _ in range(cfg.group_size)]
     values, means = score(rewards, prompts, texts, completion_ids, record_fields(records, cfg.group_size))
@@ -157,6 +175,7 @@ class Rollout:
     truncated_N: torch.Tensor
     seconds: float
     stats: dict[str, float]  # sampling statistics (dropped groups, rounds)
+    behaviour_logp_NC: torch.Tensor | None = None  # asynchronous: the log-probs the rollout worker sampled with
 
 
 def pack(records: list[dict[str, Any]], completion_ids: list[list[int]], group: int, pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
@@ -191,7 +210,7 @@ def completion_logprobs(model: torch.nn.Module, ids_NT: torch.Tensor, attention_
 
 
 @torch.no_grad()
-def _logprobs_in_chunks(model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, p: int, temperature: float, rows: int) -> torch.Tensor:
+def logprobs_in_chunks(model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, p: int, temperature: float, rows: int) -> torch.Tensor:
     return torch.cat([completion_logprobs(model, ids[i : i + rows], attention[i : i + rows], p, temperature) for i in range(0, len(ids), rows)])
 
 
@@ -203,8 +222,8 @@ def to_rollout(samples: Samples, model: torch.nn.Module, ref_model: torch.nn.Mod
     truncated = torch.tensor(samples.truncated, dtype=torch.bool, device=device)
     loss_mask = cmask * (~truncated).long().unsqueeze(1) if cfg.overlong == "mask" else cmask
     rows = cfg.batch_size * cfg.group_size
-    old = _logprobs_in_chunks(model, ids, attention, p, cfg.temperature, rows) if cfg.iterations > 1 else None
-    ref = _logprobs_in_chunks(ref_model, ids, attention, p, cfg.temperature, rows) if ref_model is not None else None
+    old = logprobs_in_chunks(model, ids, attention, p, cfg.temperature, rows) if cfg.iterations > 1 else None
+    ref = logprobs_in_chunks(ref_model, ids, attention, p, cfg.temperature, rows) if ref_model is not None else None
     return Rollout(ids, attention, p, cmask, loss_mask, group_advantages(rewards, cfg.group_size, cfg.scale_rewards), rewards, old, ref,
                    samples.reward_means, samples.texts, truncated, seconds, stats or {})
 
@@ -225,11 +244,16 @@ def grpo_backward(model: torch.nn.Module, acc: Any, ro: Rollout, cfg: TrainConfi
     if acc.num_processes > 1:  # TRL: the step's tokens over every rank / ranks, so DDP's mean of gradients sums to the global normalisation
         norm_tokens = float(acc.reduce(torch.tensor([tokens], device=acc.device), reduction="sum").item()) / acc.num_processes
     eps_high = cfg.epsilon_high or cfg.epsilon
-    total, low, high, kl_sum, ent_sum = 0.0, 0, 0, 0.0, 0.0
+    total, low, high, kl_sum, ent_sum, masked = 0.0, 0, 0, 0.0, 0.0, 0
     for i, rows in enumerate(micro_rows):
         mask = ro.loss_mask_NC[rows].float()
         logp, ent = completion_logprobs(model, ro.ids_NT[rows], ro.attention_NT[rows], ro.prompt_len, cfg.temperature, entropy=True)
         old = logp.detach() if ro.old_logp_NC is None else ro.old_logp_NC[rows]
+        if ro.behaviour_logp_NC is not None:  # sampled elsewhere, maybe k versions ago: the ratio is against the sampler's log-probs
+            behaviour = ro.behaviour_logp_NC[rows]
+            keep = mismatch_keep(logp.detach(), behaviour, cfg)
+            masked += int(((1 - keep) * mask).sum())
+            mask, old = mask * keep, behaviour
         adv = ro.advantages_N[rows]
         per_token, _ = clipped_surrogate(logp, old, adv, cfg.epsilon, eps_high)
         if ro.ref_logp_NC is not None and cfg.beta > 0:
@@ -253,6 +277,7 @@ def grpo_backward(model: torch.nn.Module, acc: Any, ro: Rollout, cfg: TrainConfi
         "completion_length_min": float(lengths.min()), "completion_length_max": float(lengths.max()), "truncated": float(ro.truncated_N.float().mean()),
         "entropy": ent_sum / max(1, tokens), "kl": kl_sum / max(1, tokens), "clip_fraction": (low + high) / max(1, tokens),
         "clip_low": low / max(1, tokens), "clip_high": high / max(1, tokens), "completions_per_s": n / max(1e-9, ro.seconds),
+        **({"mismatch_masked": masked / max(1, tokens)} if ro.behaviour_logp_NC is not None else {}),
         **ro.stats, **{f"reward/{k}": v for k, v in ro.reward_means.items()},
     }
 

@@ -144,6 +144,8 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
     if init not in ("base", "final"):
         raise ConfigurationError(f"--init must be base or final, got {init!r}")
     reward_fns = [load_reward(r) for r in rewards] if mode == "grpo" else []
+    if cfg.rollouts == "store" and mode != "grpo":
+        raise ConfigurationError(f"--rollouts store feeds --mode grpo from rollout workers; --mode {mode} trains on the dataset itself")
     hf_logging.disable_progress_bar()
     acc = accelerator(cfg.precision, cfg.report_to, cfg.logging_dir)
     if not acc.is_main_process:
@@ -173,6 +175,7 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
             freeze_shared(model, get_family(require_base(run)["base"]["family"]), model.config.num_hidden_layers)
         extra: list[Callback] = []
         common = dict(seed=cfg.seed, batch_size=cfg.batch_size, rank=acc.process_index, world_size=acc.num_processes)
+        batches: Any = None
         if mode == "lm":
             data = PathDataset(run, dataset, shard_id, cfg.seq_len, **common)
             step = LMStep(cfg)
@@ -190,7 +193,16 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
             data = PromptDataset(run, dataset, shard_id, cfg.seq_len, **common)
             check_prompts(data.records, reward_fns, dataset, model.config.max_position_embeddings, cfg.max_new_tokens)
             ref = AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32).eval().requires_grad_(False) if cfg.beta > 0 else None
-            step = GRPOStep(cfg, data.records, reward_fns, tokenizer, ref, dataset)
+            if cfg.rollouts == "store":  # asynchronous: verified batches of rollout workers, policy versions published for them
+                from paths.work.rollouts import AsyncGRPOStep, PolicyPublisher, StoreRollouts
+
+                if acc.num_processes > 1:
+                    raise ConfigurationError("--rollouts store runs one trainer process per path (rollout workers scale out instead): launch it without accelerate's multi-process")
+                source = StoreRollouts(run, path_id, dataset, cfg, data.records, reward_fns, tokenizer, lambda: AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32))
+                step, batches = AsyncGRPOStep(cfg, source, ref, dataset), source
+                extra.append(PolicyPublisher(run, path_id, cfg.max_async))
+            else:
+                step = GRPOStep(cfg, data.records, reward_fns, tokenizer, ref, dataset)
             if cfg.eval_every:
                 heldout = read_prompts(run, dataset, shard_id, "heldout")[: cfg.eval_prompts]
                 check_prompts(heldout, reward_fns, dataset, model.config.max_position_embeddings, cfg.max_new_tokens)  # on every rank: all fail alike
@@ -202,7 +214,7 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
         callbacks += extra
         trainer = Trainer(
             run, path_id, {"mode": mode, "dataset": dataset, "freeze": cfg.freeze}, cfg, model, step,
-            ShardBatches(data, cfg.batch_size, cfg.seed, cfg.num_workers), acc,
+            batches or ShardBatches(data, cfg.batch_size, cfg.seed, cfg.num_workers), acc,
             callbacks=[*callbacks, Signals()], show_progress=show_progress, resume_hint="`paths claim && paths train` (the path was handed back)",
         )
         result = trainer.fit()
