@@ -261,6 +261,7 @@ def main() -> None:
 
     record = {"bench": "dipaco", "preset": args.preset, "steps": n, "lr": args.lr, "paths": 16, "train_docs": docs, "same_heldout": same_docs, "perplexity": ppl,
               "ratio_vs_dense_n": {k: v / ppl["dense N"] for k, v in ppl.items()}, "ratio_vs_dense_16n": {k: v / ppl["dense 16N"] for k, v in ppl.items()}, "seconds": seconds, "at": time.time()}
+    os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "out", "dipaco.jsonl"), "a") as f:
         f.write(json.dumps(record) + "\n")
     if args.report:

@@ -17,13 +17,14 @@ from cli import scenarios
 from cli.render import render
 from paths.errors import PathsError
 
-SCENARIOS = {"main": (scenarios.main_scenario, scenarios.DEFAULT_ROOT), "flexolmo": (scenarios.flexolmo_scenario, scenarios.FLEX_ROOT), "rl": (scenarios.rl_scenario, scenarios.RL_ROOT)}
+SCENARIOS = {"main": (scenarios.main_scenario, scenarios.DEFAULT_ROOT), "flexolmo": (scenarios.flexolmo_scenario, scenarios.FLEX_ROOT), "rl": (scenarios.rl_scenario, scenarios.RL_ROOT),
+             "swarm": (scenarios.swarm_scenario, scenarios.SWARM_ROOT)}
 NOTHING_TO_CLAIM = 3
 
 
 @click.command()
 @click.option("--scenario", type=click.Choice([*SCENARIOS, "all"]), default="main", show_default=True,
-              help="main: decompose, shard, train, compose, eval, HDEE; flexolmo: anchored domain experts and opt-out; rl: SFT cold start, upcycle, GRPO per path, compose; all: each in turn.")
+              help="main: decompose, shard, train, compose, eval, HDEE; flexolmo: anchored domain experts and opt-out; rl: SFT cold start, upcycle, GRPO per path, compose; swarm: asynchronous GRPO, trainers and rollout workers sharing experience through the run; all: each in turn.")
 @click.option("--root", help="Folder (or s3:// URL) of the quickstart run (default: runs/quickstart[-SCENARIO]).")
 def quickstart(scenario: str, root: str | None) -> None:
     """Create a run on a local folder and walk it through every stage, command by command."""
@@ -61,9 +62,44 @@ def walk(scenario: scenarios.Scenario) -> None:
                     click.echo(f"{label}: already trained")
                     continue
                 run_paths(stage.train)
+        elif isinstance(stage, scenarios.Parallel):
+            run_parallel(stage)
         else:
             result: Any = stage.fn()
             click.echo(result if isinstance(result, str) else render(result))
+
+
+def run_parallel(stage: scenarios.Parallel) -> None:
+    """Each lane in its own processes (`python -m cli.main ...`, one command after the other, with
+    the lane's environment), all lanes at once; then what each printed. A lane whose command
+    finds nothing to claim (exit 3) ends there; any other failure stops the quickstart."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    results: dict[str, list[tuple[list[str], int, str]]] = {}
+
+    def lane(name: str, argvs: list[list[str]]) -> None:
+        results[name] = []
+        for argv in argvs:
+            proc = subprocess.run([sys.executable, "-m", "cli.main", *argv], env={**os.environ, **stage.env.get(name, {})}, capture_output=True, text=True)
+            results[name].append((argv, proc.returncode, (proc.stdout + proc.stderr).strip()))
+            if proc.returncode:
+                return
+
+    threads = [threading.Thread(target=lane, args=item) for item in stage.lanes.items()]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for name in stage.lanes:
+        for argv, code, out in results[name]:
+            click.echo(f"[{name}] {out.splitlines()[-1] if out else ''}" if code in (0, NOTHING_TO_CLAIM) else f"[{name}] {out}")
+            if code == NOTHING_TO_CLAIM:
+                click.echo(f"[{name}] nothing to claim (exit 3): already trained")
+            elif code:
+                raise PathsError(f"quickstart stopped: `paths {shlex.join(argv)}` ({name}) exited {code}")
 
 
 def run_paths(argv: list[str], allow: tuple[int, ...] = ()) -> int:

@@ -39,6 +39,9 @@ RL_TASKS = ["--n", "1600", "--levels", "1", "--families", "add,sub", "--max-oper
 SEED_STEPS = 300
 RL_STEPS = 100
 RL_REWARDS = ["--reward", "math_answer", "--reward", "format=0.2"]
+SWARM_ROOT = "runs/quickstart-swarm"
+SWARM_STEPS = 30
+SWARM_SAMPLING = ("batch_size=8", "group_size=8", "max_new_tokens=24")  # trainers and workers must agree on these
 FLEX_ROOT = "runs/quickstart-flexolmo"
 FLEX_DOMAINS = {"code": "p00", "prose": "p01", "math": "p02"}  # p03: the public expert, never trained
 FLEX_DATASET = "domains"
@@ -94,7 +97,17 @@ class Action:
     fn: Callable[[], Any]
 
 
-Stage = Command | WorkerLoop | ForEach | Action
+@dataclass(frozen=True)
+class Parallel:
+    """Lanes of `paths` commands run at once, each lane in its own processes one command after the
+    other (`(a && b) & (c) & wait`), with its own environment: the machines of a swarm."""
+
+    lanes: dict[str, list[list[str]]]
+    env: dict[str, dict[str, str]] = field(default_factory=dict)
+    note: str = ""
+
+
+Stage = Command | WorkerLoop | ForEach | Action | Parallel
 
 
 @dataclass
@@ -111,6 +124,9 @@ def title(stage: Stage) -> str:
         return "paths " + shlex.join(stage.line()) + (f"   {stage.note}" if stage.note and stage.note.startswith("(") else "")
     if isinstance(stage, WorkerLoop):
         return f"while paths {shlex.join(stage.claim)}; do paths {shlex.join(stage.train)}; done" + (f"   {stage.note}" if stage.note else "")
+    if isinstance(stage, Parallel):
+        lanes = ["(" + " && ".join("paths " + shlex.join(a) for a in argvs) + ")" for argvs in stage.lanes.values()]
+        return " &\n  ".join(lanes) + " &\n  wait" + (f"   {stage.note}" if stage.note else "")
     if isinstance(stage, ForEach):
         claim = shlex.join(stage.claim("$P")).replace("'$P'", "$P")
         return f"for P in {' '.join(stage.items.values())}; do paths {claim} && paths {shlex.join(stage.train)}; done" + (f"   {stage.note}" if stage.note else "")
@@ -193,6 +209,25 @@ def _hdee(root: str, corpus: str) -> list[Stage]:
     return stages
 
 
+def _seed_stages(seed_root: str, seed_dir: str, tasks: str, seed_map: str, prompts: list[str]) -> list[Stage]:
+    """The SFT cold start of the RL scenarios: one mini-mixtral path on worked arithmetic,
+    written out as the seed of the upcycled MoE (reused when the run holds it)."""
+    return [
+        Command(["storage", "init", seed_root]),
+        Command(["init", seed_root, "--preset", RL_PRESET], unless=lambda: _has_base(seed_root)),
+        Command(["decompose", seed_root, "--levels", "1"]),
+        Command(["gen-tasks", "arithmetic", *RL_TASKS, "--out", tasks]),
+        Action("every task family to the seed path p00", lambda: _write_json(seed_map, {"add": "p00", "sub": "p00"})),
+        Command(["shard", seed_root, "--dataset", "arith-sft", "--input", tasks, *prompts, "--answer-field", "solution", "--router", "domain", "--domain-field", "family",
+                 "--domain-map", seed_map]),
+        ForEach({"p00 (the seed)": "p00"}, lambda p: ["claim", seed_root, "--path", p, "--ttl", "60", "--worker", "quickstart"],
+                ["train", seed_root, "--mode", "sft", "--dataset", "arith-sft", "--steps", str(SEED_STEPS), "--checkpoint-every", "0",
+                 *settings("seq_len=80", "batch_size=16", "warmup_steps=10", "lr=3e-3", "weight_decay=0"), "--no-progress"],
+                note="(SFT cold start: prompt -> worked solution, loss on the completion only)"),
+        Command(["materialize", seed_root, "--path", "p00", "--final", "--out", seed_dir]),
+    ]
+
+
 def rl_scenario(root: str = RL_ROOT) -> Scenario:
     """DeepSeek-R1's recipe in miniature, the Branch-Train-MiX way: an SFT cold start on worked
     arithmetic (the seed, one dense path), sparse upcycling of the seed into a 4-expert MoE, GRPO of
@@ -206,18 +241,7 @@ def rl_scenario(root: str = RL_ROOT) -> Scenario:
     prompts = ["--kind", "prompts", "--text-field", "prompt", "--id-field", "id", "--holdout", "0.2"]
     models = ["base", "path:p00", "path:p01", "composed:rl"]
     stages: list[Stage] = [
-        Command(["storage", "init", seed_root]),
-        Command(["init", seed_root, "--preset", RL_PRESET], unless=lambda: _has_base(seed_root)),
-        Command(["decompose", seed_root, "--levels", "1"]),
-        Command(["gen-tasks", "arithmetic", *RL_TASKS, "--out", tasks]),
-        Action("every task family to the seed path p00", lambda: _write_json(seed_map, {"add": "p00", "sub": "p00"})),
-        Command(["shard", seed_root, "--dataset", "arith-sft", "--input", tasks, *prompts, "--answer-field", "solution", "--router", "domain", "--domain-field", "family",
-                 "--domain-map", seed_map]),
-        ForEach({"p00 (the seed)": "p00"}, lambda p: ["claim", seed_root, "--path", p, "--ttl", "60", "--worker", "quickstart"],
-                ["train", seed_root, "--mode", "sft", "--dataset", "arith-sft", "--steps", str(SEED_STEPS), "--checkpoint-every", "0",
-                 *settings("seq_len=80", "batch_size=16", "warmup_steps=10", "lr=3e-3", "weight_decay=0"), "--no-progress"],
-                note="(SFT cold start: prompt -> worked solution, loss on the completion only)"),
-        Command(["materialize", seed_root, "--path", "p00", "--final", "--out", seed_dir]),
+        *_seed_stages(seed_root, seed_dir, tasks, seed_map, prompts),
         Command(["storage", "init", root]),
         Command(["upcycle", root, "--from", seed_dir, "--experts", "2", "--top-k", "2"], unless=lambda: _has_base(root)),
         Command(["decompose", root, "--levels", "1"]),
@@ -232,6 +256,46 @@ def rl_scenario(root: str = RL_ROOT) -> Scenario:
         Action("what GRPO did (from the eval just written)", lambda: _rl_gain(root)),
         Command(["rejection-sample", root, "--model", "composed:rl", "--dataset", "arith", "--shard", "p00", "--n", "4", *RL_REWARDS[:2], "--out", accepted, "--no-progress"],
                 note="(R1's stage 3: verified completions, ready for `paths shard --kind prompts --answer-field completion` and --mode sft)"),
+        Command(["storage", "verify", root]),
+        _report(root),
+    ]
+    return Scenario(root, stages)
+
+
+def swarm_scenario(root: str = SWARM_ROOT) -> Scenario:
+    """Decentralised asynchronous RL through the bucket: the RL scenario's seed upcycled into two
+    paths; for each path a GRPO trainer (`--rollouts store`, at most 2 policy versions of lag) and a
+    CPU rollout worker, all four at once and knowing nothing of each other but the run; each
+    trainer also takes 4 prompt groups a step from the other path's rollouts (SAPO), re-scored by
+    its own verifiers. Then compose, the accuracy table, and the report."""
+    here = os.path.dirname(os.path.abspath(root))
+    seed_root = root[: -len("-swarm")] + "-rl-seed" if root.endswith("-swarm") else f"{root}-seed"  # the rl scenario's seed, reused when they run together
+    seed_dir = os.path.join(here, "quickstart-rl-seed-p00")
+    tasks = os.path.join(here, "quickstart-tasks", "arithmetic.jsonl")
+    seed_map = os.path.join(here, "quickstart-tasks", "seed-map.json")
+    prompts = ["--kind", "prompts", "--text-field", "prompt", "--id-field", "id", "--holdout", "0.2"]
+    sampling = settings(*SWARM_SAMPLING)
+    lanes, env = {}, {}
+    for p in ("p00", "p01"):
+        lanes[f"trainer {p}"] = [["claim", root, "--path", p, "--ttl", "60", "--worker", f"trainer-{p}"],
+                                 ["train", root, "--mode", "grpo", "--dataset", "arith", *RL_REWARDS, "--rollouts", "store", "--max-async", "2", "--external", "4",
+                                  "--steps", str(SWARM_STEPS), "--checkpoint-every", "0", *sampling, *settings("warmup_steps=2", "lr=1e-4", "rollout_wait=20"), "--no-progress"]]
+        env[f"trainer {p}"] = {"PATHS_HOME": os.path.join(f"{root}-home", p), "OMP_NUM_THREADS": "1"}  # each trainer on its own machine: its own claim file
+    for p in ("p00", "p01"):
+        env[f"worker {p}"] = {"OMP_NUM_THREADS": "1"}
+        lanes[f"worker {p}"] = [["rollout", root, "--path", p, "--dataset", "arith", "--worker", f"cpu-{p}", "--batches", "1000", *RL_REWARDS, *sampling, "--no-progress"]]
+    models = ["base", "path:p00", "path:p01", "composed:swarm"]
+    stages: list[Stage] = [
+        *_seed_stages(seed_root, seed_dir, tasks, seed_map, prompts),
+        Command(["storage", "init", root]),
+        Command(["upcycle", root, "--from", seed_dir, "--experts", "2", "--top-k", "2"], unless=lambda: _has_base(root)),
+        Command(["decompose", root, "--levels", "1"]),
+        Command(["shard", root, "--dataset", "arith", "--input", tasks, *prompts, "--router", "hash"]),
+        Parallel(lanes, env, note="(two trainers and two CPU rollout workers at once; the run is their only link)"),
+        Command(["compose", root, "--into", "moe", "--name", "swarm", "--overwrite"]),
+        Command(["eval", root, "--dataset", "arith", *(a for m in models for a in ("--model", m))], note="held-out math_answer accuracy (greedy); base is the upcycled seed"),
+        Action("what the swarm did (from the eval just written)", lambda: _rl_gain(root, "swarm")),
+        Command(["storage", "du", root]),
         Command(["storage", "verify", root]),
         _report(root),
     ]
@@ -285,7 +349,7 @@ def _has_expert(root: str, name: str) -> str | None:
     return f"(expert {name} is already registered: {expert_info(run, name)['parameters']:,} parameters)"
 
 
-def _rl_gain(root: str) -> str:
+def _rl_gain(root: str, composed_name: str = "rl") -> str:
     """The seed's, each path's and the composed MoE's overall held-out accuracy, as gains."""
     import json
 
@@ -294,7 +358,7 @@ def _rl_gain(root: str) -> str:
     seed = table["base"]["overall"]
     paths = {m: row["overall"] for m, row in table.items() if m.startswith("path:")}
     mean = sum(paths.values()) / len(paths)
-    composed = table["composed:rl"]["overall"]
+    composed = table[f"composed:{composed_name}"]["overall"]
     kept = (composed - seed) / (mean - seed) if mean > seed else float("nan")
     shown = ", ".join(f"{m} {v:.3f} ({v - seed:+.3f})" for m, v in paths.items())
     return (f"seed (SFT cold start) {seed:.3f}; after GRPO: {shown}; composed MoE {composed:.3f} ({composed - seed:+.3f}, "

@@ -73,6 +73,7 @@ def claim(run: str, path_id: str | None, ttl: float, worker: str | None) -> None
 @click.option("--eval-every", type=int, help="grpo: held-out reward (greedy) every N steps, in the metrics as heldout_reward.")
 @click.option("--rollouts", type=click.Choice(["local", "store"]), help="grpo: sample here (local), or consume verified batches of `paths rollout` workers through the run (store).")
 @click.option("--max-async", type=int, help="grpo --rollouts store: how many policy versions a rollout batch may lag (default 2).")
+@click.option("--external", type=int, help="grpo --rollouts store: SAPO, prompt groups per step taken from other paths' rollouts (re-scored here).")
 @report_options
 def train(run: str | None, path_id: str | None, mode: str, dataset: str, steps: int | None, checkpoint_every: int | None, config_file: str | None, sets: tuple[str, ...], no_progress: bool, init: str, rewards: tuple[str, ...], **grpo: Any) -> None:
     """Train the claimed path, renewing its lease; checkpoints and exact resume."""

@@ -275,7 +275,7 @@ def _eval_tables(evals: list[dict[str, Any]]) -> str:
     parts = []
     for e in evals:
         table = e["table"]
-        cols = [c for c in e.get("shards", []) if any(c in row for row in table.values())]
+        cols = [c for c in e.get("shards", []) if c != "overall" and any(c in row for row in table.values())]
         cols += sorted({c for row in table.values() for c in row} - set(cols) - {"overall"}) + (["overall"] if any("overall" in r for r in table.values()) else [])
         labels = e.get("labels") or {}
         when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(e["at"])) if e.get("at") else ""
@@ -290,7 +290,8 @@ def _composed_table(composed: dict[str, dict[str, Any]]) -> str:
         options = c.get("options") or {}
         if c.get("into") == "ensemble":
             fed = ", ".join(c.get("members") or {})
-            router = f"{options.get('mix', '')} mixing, prior {options.get('prior', '')}".strip()
+            mix = options.get("mix", "")
+            router = f"router mixing (router/{options.get('router_name')})" if mix == "router" else f"{mix} mixing, prior {options.get('prior', '')}"
         else:
             fed = ", ".join(c.get("paths") or {}) or (f"fine-tuned from composed:{c['finetuned_from']}" if c.get("finetuned_from") else "")
             router = options.get("router") or (f"trained ({c.get('train')}, {c.get('steps')} steps)" if c.get("finetuned_from") else "")

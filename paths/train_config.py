@@ -72,6 +72,7 @@ class TrainConfig:
     verify_rows: int = 2
     verify_tolerance: float = 0.05
     max_rejections: int = 3
+    external: int = 0
     # experiment tracking (paths/tracking.py): a copy of the metrics for TensorBoard, W&B or MLflow
     report_to: str = "none"
     logging_dir: str = "tracking"
@@ -120,6 +121,10 @@ class TrainConfig:
         for name in ("rollout_wait", "verify_tolerance"):
             if getattr(self, name) < 0:
                 raise ConfigurationError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.external < 0:
+            raise ConfigurationError(f"--external must be >= 0 (prompt groups taken from other paths' rollouts per step), got {self.external}")
+        if self.external and self.rollouts != "store":
+            raise ConfigurationError("--external J takes other paths' rollout batches from the run: use it with --rollouts store")
         if self.verify_rows < 1 or self.max_rejections < 1:
             raise ConfigurationError(f"verify_rows and max_rejections must be >= 1, got {self.verify_rows} and {self.max_rejections}")
         if self.rollouts == "store" and (self.dynamic_sampling or self.iterations > 1):

@@ -16,7 +16,7 @@ from storage.store import HIDDEN_PREFIX, ObjectInfo
 def path_of(key: str) -> str | None:
     """The path (or expert) id an object belongs to, if any, from the run layout."""
     parts = key.split("/")
-    if parts[0] in ("paths", "work") and len(parts) > 2:
+    if parts[0] in ("paths", "work", "policy", "rollouts") and len(parts) > 2:
         return parts[1]
     if parts[0] == "claims" and len(parts) == 2 and parts[1].endswith(".json"):
         return parts[1][: -len(".json")]
@@ -163,8 +163,41 @@ def gc_plan(run: Run, older_than_s: float, keep: int, now: float | None = None) 
         for step, folder in sorted(ckpts)[:-keep]:
             objs = folders[folder]
             plan.append(GcItem(folder, f"committed, older than the newest {keep}", len(objs), sum(o.size for o in objs)))
+    plan += _finished_async(run, older_than_s, now)
     plan += _stale_temp_files(run, older_than_s, now)
     return plan
+
+
+def _finished_async(run: Run, older_than_s: float, now: float) -> list[GcItem]:
+    """What asynchronous RL leaves once a path's training is finished (work/<path>/final/
+    committed): policy versions but the latest, and rollout batches idle past the cut-off (the
+    rejection records stay)."""
+    groups: dict[str, list[ObjectInfo]] = {}
+    for area in ("policy", "rollouts"):
+        for obj in run.store.list(area):
+            parts = obj.key.split("/")
+            if area == "policy" and len(parts) == 4 and parts[2].startswith("v"):
+                groups.setdefault("/".join(parts[:3]), []).append(obj)
+            elif area == "rollouts" and len(parts) >= 4 and parts[2] == "batches":
+                groups.setdefault("/".join(parts[:3]), []).append(obj)
+    out = []
+    latest: dict[str, str] = {}
+    for folder, objs in sorted(groups.items()):
+        area, pid = folder.split("/")[:2]
+        if not run.store.exists(f"work/{pid}/final/{MANIFEST}"):
+            continue  # still training: the trainer prunes its own versions
+        size, n = sum(o.size for o in objs), len(objs)
+        if area == "policy":
+            if pid not in latest:
+                try:
+                    latest[pid] = "v%08d" % int(json.loads(run.store.read(f"policy/{pid}/latest.json"))["version"])
+                except Exception:
+                    latest[pid] = ""
+            if folder.split("/")[2] != latest[pid]:
+                out.append(GcItem(folder, "policy version of a finished path (not the latest)", n, size))
+        elif now - max((o.mtime or now) for o in objs) >= older_than_s:
+            out.append(GcItem(folder, f"rollout batches of a finished path, idle {_age(now - max((o.mtime or now) for o in objs))}", n, size))
+    return out
 
 
 def _stale_temp_files(run: Run, older_than_s: float, now: float) -> list[GcItem]:

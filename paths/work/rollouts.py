@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from paths.errors import ConfigurationError, DataError, NotFound, PreconditionFailed
+from paths.errors import ConfigurationError, DataError, NotFound, PathsError, PreconditionFailed
 from paths.trainer import Callback
 from paths.work.grpo import GRPOStep, Samples, grpo_backward, pack, score_samples, to_rollout, logprobs_in_chunks
 from paths.work.rewards import Reward
@@ -115,11 +115,11 @@ def published_versions(run: Run, path: str) -> list[int]:
     return sorted(int(o.key.split("/")[2][1:]) for o in run.store.list(run.policy(path)) if o.key.endswith("/policy.json"))
 
 
-def prune(run: Run, path: str, keep_from: int) -> int:
-    """Delete the versions older than `keep_from` (nobody may use them any more); how many."""
+def prune(run: Run, path: str, keep: Callable[[int], bool]) -> int:
+    """Delete the versions `keep` says nobody may use any more; how many."""
     gone = 0
     for v in published_versions(run, path):
-        if v < keep_from:
+        if not keep(v):
             run.store.delete(f"{version_key(run, path, v)}/policy.json")  # the marker first: a half-deleted version does not exist
             run.store.delete(f"{version_key(run, path, v)}/model.safetensors")
             gone += 1
@@ -142,6 +142,15 @@ def sampler(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
 
             return quantize_dynamic(copy.deepcopy(model).float(), {torch.nn.Linear}, dtype=torch.qint8)
     raise ConfigurationError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+
+
+def copy_as(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
+    """fp32: the model itself; bf16: a bf16 copy (the fp32 weights stay for the next version)."""
+    if dtype == "fp32":
+        return model
+    import copy
+
+    return copy.deepcopy(model).to(torch.bfloat16)
 
 
 # -- rollout batch objects ----------------------------------------------------------------------------
@@ -251,11 +260,20 @@ def next_index(run: Run, path: str, worker: str) -> int:
     return max(done) + 1 if done else 0
 
 
+def finished(run: Run, path: str) -> bool:
+    """Whether the path's claim says its training is done."""
+    from paths.work.claims import read_claim
+
+    record, _ = read_claim(run, path)
+    return record is not None and record.get("state") == "done"
+
+
 def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Reward], *, worker: str, dtype: str = "fp32", batches: int = 1,
                    wait: float = 600.0, on_batch: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Write `batches` rollout batches of `path` (each: batch_size prompts x group_size completions
     sampled from the newest policy version in `dtype`), reloading whenever the policy moved on and
-    dropping a batch that would arrive more than max_async versions late. Returns a summary."""
+    dropping a batch that would arrive more than max_async versions late; stop early once the
+    path's training is done. Returns a summary."""
     import os
     import shutil
     import tempfile
@@ -297,8 +315,11 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
         loaded, model = None, None
         index = next_index(run, path, worker)
         written, dropped, reloads, tokens, seconds = 0, 0, 0, 0, 0.0
+        seen_version, since = None, 0  # batches written since the trainer last said how many wait
         deadline = time.time() + wait
         while written < batches:
+            if finished(run, path):
+                break  # the trainer is done with the path: nobody will use more
             head = latest(run, path)
             if head is None:
                 if time.time() > deadline:
@@ -312,6 +333,13 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
                     time.sleep(POLL)  # pruned or being replaced meanwhile: read latest again
                     continue
                 model, reloads = sampler(policy, dtype), reloads + 1
+            if head["version"] != seen_version:
+                seen_version, since = head["version"], 0
+            if int(head.get("pending", 0)) + since >= (int(head.get("max_async", cfg.max_async)) + 1) * int(head.get("needs", 1)):
+                waited = time.time()
+                while (latest(run, path) or head)["version"] == head["version"] and time.time() - waited < wait and not finished(run, path):
+                    time.sleep(POLL)  # enough batches wait for the trainer: more would only go stale
+                continue
             t0 = time.perf_counter()
             picked = pick_prompts(worker, index, cfg.batch_size, len(records))
             recs = [records[i] for i in picked]
@@ -326,7 +354,7 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
             if now is not None and int(now["version"]) - int(loaded["version"]) > int(now.get("max_async", cfg.max_async)):
                 dropped += 1  # it would arrive too late to be used: reload first
                 continue
-            meta = {"run": rid, "path": path, "dataset": dataset, "worker": worker, "batch": index, "policy_version": int(loaded["version"]), "dtype": dtype,
+            meta = {"run": rid, "path": path, "dataset": dataset, "worker": worker, "batch": index, "policy_version": int(loaded["version"]), "policy_sha256": loaded["sha256"], "dtype": dtype,
                     "prompt_index": picked, "prompt_sha256": [prompt_sha(r) for r in recs], "rewards": samples.rewards, "group_size": cfg.group_size,
                     "temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens, "at": time.time()}
             data = encode(completion_ids, logp[:, : max(1, max(len(c) for c in completion_ids))], meta)
@@ -335,7 +363,7 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
             except PreconditionFailed:
                 index = next_index(run, path, worker)  # another process runs under this worker name: go on after it
                 continue
-            written, index = written + 1, index + 1
+            written, index, since = written + 1, index + 1, since + 1
             tokens += sum(len(c) for c in completion_ids)
             if on_batch is not None:
                 on_batch({"batch": index - 1, "version": meta["policy_version"], "reward_mean": sum(samples.rewards) / len(samples.rewards), "tokens": tokens, "tokens_per_s": tokens / max(1e-9, seconds)})
@@ -376,8 +404,12 @@ class StoreRollouts:
     discarded: list[str] = field(default_factory=list)
     rejected: dict[str, str] = field(default_factory=dict)
     strikes: dict[str, int] = field(default_factory=dict)
+    external: dict[str, int] = field(default_factory=dict)  # SAPO: other paths' batches -> groups of them taken
+    pending: int = 0  # usable batches left in the store after the last take (told to the workers)
     _rid: str = ""
+    _other_records: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     _verifier: tuple[int, str, torch.nn.Module] | None = None
+    _weights: torch.nn.Module | None = None  # one fp32 model the versions are loaded into
 
     def __post_init__(self) -> None:
         self._rid = run_id(self.run)
@@ -390,11 +422,13 @@ class StoreRollouts:
         raise TypeError("StoreRollouts hands out verified batches through take(), not next()")
 
     def state_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "consumed": list(self.consumed), "discarded": list(self.discarded), "rejected": dict(self.rejected), "strikes": dict(self.strikes)}
+        return {"steps": self.steps, "consumed": list(self.consumed), "discarded": list(self.discarded), "rejected": dict(self.rejected), "strikes": dict(self.strikes),
+                "external": dict(self.external)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps, self.consumed, self.discarded = int(state["steps"]), list(state["consumed"]), list(state["discarded"])
         self.rejected, self.strikes = dict(state["rejected"]), {k: int(v) for k, v in state["strikes"].items()}
+        self.external = {k: int(v) for k, v in state.get("external", {}).items()}
 
     @property
     def ignored(self) -> set[str]:
@@ -438,8 +472,9 @@ class StoreRollouts:
                         stats["rejected_batches"] += 1
                         progressed = True
                     continue  # published by this trainer before a restart: usable once it is there again
-                if version - batch.version > self.cfg.max_async:
-                    self.discarded.append(key)
+                record = version_record(self.run, self.path, batch.version)
+                if version - batch.version > self.cfg.max_async or (record is not None and batch.meta.get("policy_sha256") not in (None, record["sha256"])):
+                    self.discarded.append(key)  # too old, or sampled from a version a restarted trainer has published anew
                     stats["stale_batches"] += 1
                     progressed = True
                     continue
@@ -456,11 +491,61 @@ class StoreRollouts:
                     self._reject(batch.key, batch.worker, str(exc))
                     stats["rejected_batches"] += 1
                 progressed = True
+            self.pending = max(0, len(candidates) - len(taken))
             if len(taken) < count and not progressed:
                 if time.time() >= deadline:
                     break
                 time.sleep(POLL)
         return taken, stats
+
+    def take_external(self, groups: int) -> Samples | None:
+        """SAPO's shared experience: `groups` prompt groups from other paths' (and experts')
+        rollout batches, in key order, each group used once: their decoded prompt text, answer
+        and completions, re-tokenized and re-scored with this trainer's verifiers (nothing they
+        state is used). None when no other path has written any yet."""
+        cfg, tok = self.cfg, self.tokenizer
+        records, completions = [], []
+        for o in self.run.store.list("rollouts"):
+            parts = o.key.split("/")
+            if len(records) >= groups:
+                break
+            if len(parts) != 5 or parts[2] != "batches" or parts[1] == self.path or not o.key.endswith(".safetensors"):
+                continue
+            used = self.external.get(o.key, 0)
+            if used < 0:
+                continue  # every group of it taken
+            try:
+                batch = decode(self.run.store.read(o.key), o.key, batch_bytes_limit(cfg) * 4)
+                mine = self._records_of(parts[1], batch.meta["dataset"])
+            except (Rejected, PathsError):
+                continue  # not readable, or a path whose prompts this trainer cannot read: not shared experience
+            g = int(batch.meta["group_size"])
+            index = batch.meta["prompt_index"]
+            while used < len(index) and len(records) < groups:
+                i = index[used]
+                if isinstance(i, int) and 0 <= i < len(mine) and prompt_sha(mine[i]) == batch.meta["prompt_sha256"][used] and g >= cfg.group_size:
+                    theirs = mine[i]
+                    ids = tok(theirs["prompt"], add_special_tokens=False)["input_ids"] if "ids" not in theirs else theirs["ids"]
+                    records.append({**theirs, "ids": ids})
+                    texts = tok.batch_decode(batch.completion_ids[used * g : used * g + cfg.group_size], skip_special_tokens=True)
+                    for text, original in zip(texts, batch.completion_ids[used * g : used * g + cfg.group_size]):
+                        again = tok(text, add_special_tokens=False)["input_ids"][: cfg.max_new_tokens - 1]
+                        completions.append(again + ([tok.eos_token_id] if original[-1] == tok.eos_token_id or not again else []))
+                used += 1
+            self.external[o.key] = -1 if used >= len(index) else used
+        if not records:
+            return None
+        truncated = [c[-1] != tok.eos_token_id for c in completions]
+        return score_samples(records, completions, truncated, self.rewards, cfg, tok)
+
+    def _records_of(self, path: str, dataset: str) -> list[dict[str, Any]]:
+        from paths.units import data_id
+        from sharding.dataset import dataset_manifest, read_prompts
+
+        key = f"{dataset}/{path}"
+        if key not in self._other_records:
+            self._other_records[key] = read_prompts(self.run, dataset, data_id(self.run, path, dataset_manifest(self.run, dataset)), "train")
+        return self._other_records[key]
 
     def _reject(self, key: str, worker: str, reason: str) -> None:
         self.rejected[key] = reason
@@ -513,12 +598,14 @@ class StoreRollouts:
         made its completions up is caught here."""
         cfg, version, dtype = self.cfg, batch.version, batch.meta["dtype"]
         if self._verifier is None or self._verifier[:2] != (version, dtype):
-            model = self.make_model()
+            if self._weights is None:
+                self._weights = self.make_model().eval()
+            model = self._weights.float()
             try:
                 load_version(self.run, self.path, version, model)
             except NotFound:
                 raise Rejected(f"policy version {version} does not exist (any more): it cannot be checked") from None
-            self._verifier = (version, dtype, sampler(model.eval(), dtype))
+            self._verifier = (version, dtype, sampler(model, dtype) if dtype == "int8" else copy_as(model, dtype))
         model = self._verifier[2]
         rng = random.Random(batch.key)
         rows = sorted(rng.sample(range(len(batch.completion_ids)), min(cfg.verify_rows, len(batch.completion_ids))))
@@ -560,6 +647,14 @@ class AsyncGRPOStep(GRPOStep):
                 parts.append(samples)
                 behaviour += [None] * len(samples.completion_ids)
                 versions.append(src.steps)
+        external = src.take_external(cfg.external) if cfg.external else None
+        if external is not None:  # SAPO: other paths' experience, weighted as this path's own samples
+            parts.append(external)
+            behaviour += [None] * len(external.completion_ids)
+            stats["external_groups"] = float(len(external.records))
+            stats["external_reward"] = sum(external.rewards) / len(external.rewards)
+        elif cfg.external:
+            stats["external_groups"] = 0.0
         samples = Samples.concat(parts)
         ro = to_rollout(samples, model, self.ref_model, cfg, self.tokenizer, time.perf_counter() - t0, {
             **stats, "store_batches": float(len(got)), "own_batches": float(own), "policy_lag": float(sum(src.steps - v for v in versions) / len(versions))})
@@ -589,21 +684,26 @@ class AsyncGRPOStep(GRPOStep):
 
 class PolicyPublisher(Callback):
     """Publishes the trainer's weights as policy version <step> when it starts and after every
-    optimizer step, and prunes the versions older than the last checkpoint's step minus max_async
-    (after a takeover every batch still usable can be checked)."""
+    optimizer step, and prunes every version but the last max_async + 1 and those a trainer
+    resumed from the last checkpoint may need (its step minus max_async, up to it)."""
 
-    def __init__(self, run: Run, path: str, max_async: int):
-        self.run, self.path, self.max_async = run, path, max_async
+    def __init__(self, run: Run, path: str, max_async: int, source: StoreRollouts | None = None, needs: int = 1):
+        self.run, self.path, self.max_async, self.source, self.needs = run, path, max_async, source, needs
         self.checkpointed = 0
+
+    def _publish(self, trainer: Any) -> None:
+        pending = self.source.pending if self.source is not None else 0  # workers hold back while this many are waiting
+        publish(self.run, self.path, trainer.step, trainer.unwrapped, max_async=self.max_async, step=trainer.step, pending=pending, needs=self.needs)
 
     def started(self, trainer: Any) -> None:
         self.checkpointed = trainer.step
         if version_record(self.run, self.path, trainer.step) is None or (latest(self.run, self.path) or {}).get("version") != trainer.step:
-            publish(self.run, self.path, trainer.step, trainer.unwrapped, max_async=self.max_async, step=trainer.step)
+            self._publish(trainer)
 
     def stepped(self, trainer: Any, record: dict[str, Any]) -> None:
-        publish(self.run, self.path, trainer.step, trainer.unwrapped, max_async=self.max_async, step=trainer.step)
-        prune(self.run, self.path, self.checkpointed - self.max_async)
+        self._publish(trainer)
+        k, step, ckpt = self.max_async, trainer.step, self.checkpointed
+        prune(self.run, self.path, lambda v: v >= step - k or ckpt - k <= v <= ckpt)  # what this trainer, or one resumed from its checkpoint, may still check
 
     def committed(self, trainer: Any, step: int) -> None:
         self.checkpointed = step

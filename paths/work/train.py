@@ -200,7 +200,7 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
                     raise ConfigurationError("--rollouts store runs one trainer process per path (rollout workers scale out instead): launch it without accelerate's multi-process")
                 source = StoreRollouts(run, path_id, dataset, cfg, data.records, reward_fns, tokenizer, lambda: AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32))
                 step, batches = AsyncGRPOStep(cfg, source, ref, dataset), source
-                extra.append(PolicyPublisher(run, path_id, cfg.max_async))
+                extra.append(PolicyPublisher(run, path_id, cfg.max_async, source, cfg.grad_accum))
             else:
                 step = GRPOStep(cfg, data.records, reward_fns, tokenizer, ref, dataset)
             if cfg.eval_every:

@@ -5,6 +5,7 @@ nothing taken from them while training goes on, and bad input."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -67,9 +68,10 @@ def test_a_rollout_worker_feeds_a_trainer_in_another_process(backend, tmp_path, 
     assert cli("claim", url, "--path", "p00", "--ttl", "60", home=home, env=env)[0] == 0
     trainer = cli("train", url, "--mode", "grpo", "--dataset", "rl", "--rollouts", "store", "--max-async", "2", "--steps", "4", *sets, "--set", "rollout_wait=120",
                   "--no-progress", home=home, wait=False, env=env)
-    code, out, err = cli("rollout", url, "--path", "p00", "--dataset", "rl", "--worker", "w1", "--batches", "5", *sets, "--no-progress", home=str(tmp_path / "w"), env=env)
+    code, out, err = cli("rollout", url, "--path", "p00", "--dataset", "rl", "--worker", "w1", "--batches", "100", *sets, "--no-progress", home=str(tmp_path / "w"), env=env)
     assert code == 0, err
-    assert "wrote 5 rollout batches of p00 as w1 (fp32" in out
+    written = re.search(r"wrote (\d+) rollout batches of p00 as w1 \(fp32", out)
+    assert written and 4 <= int(written.group(1)) <= 4 + 2 * 3, out  # held back while max_async + 1 batches wait; stopped once the path is done
     stdout, stderr = trainer.communicate(timeout=300)
     assert trainer.returncode == 0, stderr
     from storage.layout import open_run
@@ -189,3 +191,28 @@ def test_async_bad_input(tmp_path, tokenizer_dir):
     r = runner.invoke(main, ["rollout", run.url, "--path", "p00", "--dataset", "rl", "--wait", "0.5", "--no-progress"])
     assert r.exit_code == 1 and "no policy of p00 was published" in r.output
     assert not run.store.list("rollouts")
+
+
+def test_sapo_mixes_other_paths_experience_rescored(tmp_path, tokenizer_dir):
+    run = prompt_run(tmp_path, tokenizer_dir, holdout=0.0)
+    start(run, tmp_path)
+    model, _ = loaded(run, tmp_path, "p01")
+    publish(run, "p01", 0, model, max_async=10, step=0)
+    rollout_worker(run, "p01", "rl", settings(), [load_reward(REWARD)], worker="other", batches=1, wait=5)
+    key = run.store.list("rollouts/p01/batches")[0].key
+    lie = decode(run.store.read(key), key, 1 << 30)
+    run.store.write(key, encode(lie.completion_ids, lie.behaviour_logp_NC, {**lie.meta, "rewards": [5.0] * len(lie.completion_ids)}))  # what they state is never used
+    worker(run, 3, "own")
+    cfg = load_config(sets=[*FAST, *STORE, "external=2"], steps=3)
+    train(run, "p00", "grpo", "rl", cfg, None, show_progress=False, rewards=[REWARD])
+    steps = metrics(run, "p00")
+    assert [m["external_groups"] for m in steps] == [2, 2, 0]  # p01's batch holds 4 prompt groups, each taken once
+    assert all(m["store_batches"] == 1 for m in steps)
+    assert all(0 <= m["external_reward"] <= 1 for m in steps[:2])  # re-scored by p00's verifier (stated: 5.0)
+    from storage.admin import gc_apply, gc_plan
+
+    plan = {item.key: item.reason for item in gc_plan(run, 0, 2)}  # p00 is finished, p01 is not
+    assert {k for k in plan if k.startswith("policy/")} == {"policy/p00/v00000000", "policy/p00/v00000001", "policy/p00/v00000002"}
+    assert "rollouts/p00/batches" in plan and not any(k.startswith(("policy/p01", "rollouts/p01")) for k in plan)
+    gc_apply(run, [i for i in gc_plan(run, 0, 2) if i.key.startswith(("policy/", "rollouts/"))])
+    assert json.loads(run.store.read("policy/p00/latest.json"))["version"] == 3 and run.store.exists("policy/p00/v00000003/model.safetensors")

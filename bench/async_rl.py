@@ -1,0 +1,228 @@
+"""Asynchronous GRPO through the bucket, measured against synchronous GRPO on the same machine.
+
+    .venv/bin/python bench/async_rl.py [--steps 60] [--seed-steps 300] [--sapo-steps 30]
+
+Setup (bench/rl_paths.py's): a one-level mini-mixtral run whose path p00 learns every arithmetic
+family by SFT on worked solutions (the cold start), upcycled into 4 experts; each family routed
+to one path (add p00, sub p01, mul p02, word p03).
+
+1. sync vs async on p00: `paths train --mode grpo` sampling its own rollouts, against the same
+   trainer with `--rollouts store --max-async 2` fed by one `paths rollout` worker in another
+   process (each process one thread, the sync one two): wall-clock to the same held-out reward
+   (greedy, every 10 steps) and completions trained on per second.
+2. int8 vs fp32 rollout workers: tokens/s of `paths rollout --dtype int8` and `fp32` from the same
+   published policy, alternating, and the share of tokens the trainer masks (icepop) in one step
+   on each's batches.
+3. throughput with 1, 2 and 4 rollout workers feeding one trainer: completions/s, how many steps
+   the trainer had to sample itself, the mean policy lag and the stale batches.
+4. SAPO on the four families: every path's trainer fed by its own worker with 8 prompts a batch
+   plus `--external 8` prompt groups from the other paths' batches, against silo trainers fed 16
+   prompts a batch by their own worker (the same 16 groups a step); held-out accuracy per family
+   of each path and of each arm's composed MoE.
+Appended to bench/out/async_rl.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from rl_paths import FAMILIES, PROMPTS, REWARDS, finish, paths_cmd  # noqa: E402
+
+SAMPLE = ["--set", "group_size=8", "--set", "max_new_tokens=32"]
+
+
+def sets(batch: int, lr: float, *extra: str) -> list[str]:
+    return [*SAMPLE, "--set", f"batch_size={batch}", "--set", "warmup_steps=2", "--set", f"lr={lr}", *(a for e in extra for a in ("--set", e))]
+
+
+def env(name: str, work: str, threads: int) -> dict[str, str]:
+    return {"PATHS_HOME": os.path.join(work, "home", name), "OMP_NUM_THREADS": str(threads)}
+
+
+def metrics(run: str, path: str) -> list[dict]:
+    with open(os.path.join(run, "work", path, "metrics.jsonl")) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+def seed(work: str, a) -> tuple[str, str]:
+    """The SFT cold start (tasks, seed folder)."""
+    tasks = os.path.join(work, "tasks.jsonl")
+    seed_run, seed_dir = os.path.join(work, "seed"), os.path.join(work, "seed-p00")
+    all_p00 = os.path.join(work, "all-p00.json")
+    json.dump({f: "p00" for f in FAMILIES}, open(all_p00, "w"))
+    paths_cmd("gen-tasks", "arithmetic", "--n", str(a.prompts), "--levels", "1,2", "--families", ",".join(FAMILIES), "--max-operand", "9", "--out", tasks)
+    paths_cmd("init", seed_run, "--preset", "mini-mixtral")
+    paths_cmd("decompose", seed_run, "--levels", "1")
+    paths_cmd("shard", seed_run, "--dataset", "sft", "--input", tasks, *PROMPTS, "--answer-field", "solution", "--router", "domain", "--domain-field", "family", "--domain-map", all_p00)
+    paths_cmd("claim", seed_run, "--path", "p00", env=env("seed", work, 2))
+    paths_cmd("train", seed_run, "--mode", "sft", "--dataset", "sft", "--steps", str(a.seed_steps), "--checkpoint-every", "0", "--no-progress",
+              "--set", "seq_len=96", "--set", "batch_size=16", "--set", "warmup_steps=10", "--set", "lr=3e-3", "--set", "weight_decay=0", env=env("seed", work, 2))
+    paths_cmd("materialize", seed_run, "--path", "p00", "--final", "--out", seed_dir)
+    return tasks, seed_dir
+
+
+def new_run(work: str, name: str, tasks: str, seed_dir: str) -> str:
+    run = os.path.join(work, name)
+    families = os.path.join(work, "families.json")
+    json.dump(FAMILIES, open(families, "w"))
+    paths_cmd("upcycle", run, "--from", seed_dir, "--experts", "4", "--top-k", "2")
+    paths_cmd("decompose", run, "--levels", "1")
+    paths_cmd("shard", run, "--dataset", "rl", "--input", tasks, *PROMPTS, "--router", "domain", "--domain-field", "family", "--domain-map", families)
+    return run
+
+
+def trainer_args(run: str, path: str, steps: int, batch: int, lr: float, *extra: str, store: bool = True) -> list[str]:
+    args = ["train", run, "--path", path, "--mode", "grpo", "--dataset", "rl", *REWARDS, "--steps", str(steps), "--checkpoint-every", "0", "--no-progress", *sets(batch, lr, *extra)]
+    return args + (["--rollouts", "store", "--max-async", "2"] if store else [])
+
+
+def async_arm(work: str, run: str, path: str, steps: int, batch: int, lr: float, workers: int, *extra: str, dtype: str = "fp32", tag: str = "") -> float:
+    """A trainer and `workers` rollout workers for `path`, each its own one-thread process; wall seconds."""
+    paths_cmd("claim", run, "--path", path, "--worker", f"trainer-{path}{tag}", env=env(f"t-{path}{tag}", work, 1))
+    t0 = time.time()
+    procs = [("trainer", paths_cmd(*trainer_args(run, path, steps, batch, lr, *extra), env=env(f"t-{path}{tag}", work, 1), wait=False))]
+    for w in range(workers):
+        procs.append((f"worker {w}", paths_cmd("rollout", run, "--path", path, "--dataset", "rl", "--worker", f"cpu-{w}{tag}", "--dtype", dtype, "--batches", str(10 * steps), *REWARDS,
+                                               *sets(batch, lr), "--no-progress", env=env(f"w-{path}-{w}{tag}", work, 1), wait=False)))
+    finish(procs)
+    return time.time() - t0
+
+
+def reached(records: list[dict], target: float, t0: float) -> float | None:
+    """Seconds from t0 to the first held-out reward >= target."""
+    for m in records:
+        if m.get("heldout_reward", -1) >= target:
+            return m["time"] - t0
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", default=os.path.join(ROOT, "bench", "out", "async_rl"))
+    ap.add_argument("--prompts", type=int, default=3200)
+    ap.add_argument("--seed-steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=60, help="GRPO steps of the sync / async comparison")
+    ap.add_argument("--scale-steps", type=int, default=20, help="trainer steps of each worker-count run")
+    ap.add_argument("--sapo-steps", type=int, default=30)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    a = ap.parse_args()
+    shutil.rmtree(a.work, ignore_errors=True)
+    os.makedirs(a.work)
+    out: dict = {"at": time.time(), "args": vars(a)}
+    tasks, seed_dir = seed(a.work, a)
+    held = ["eval_every=10", "eval_prompts=64"]
+
+    # 1. sync vs async, p00
+    sync_run = new_run(a.work, "sync", tasks, seed_dir)
+    paths_cmd("claim", sync_run, "--path", "p00", "--worker", "sync", env=env("sync", a.work, 2))
+    t0 = time.time()
+    paths_cmd(*trainer_args(sync_run, "p00", a.steps, a.batch, a.lr, *held, store=False), env=env("sync", a.work, 2))
+    t_sync = time.time() - t0
+    sync_m = metrics(sync_run, "p00")
+    async_run = new_run(a.work, "async", tasks, seed_dir)
+    t0_async = time.time()
+    t_async = async_arm(a.work, async_run, "p00", a.steps, a.batch, a.lr, 1, *held, "rollout_wait=120")
+    async_m = metrics(async_run, "p00")
+    best = lambda ms: max(m["heldout_reward"] for m in ms if "heldout_reward" in m)  # noqa: E731
+    target = min(best(sync_m), best(async_m))
+    to_sync, to_async = reached(sync_m, target, t0), reached(async_m, target, t0_async)
+    completions = a.steps * a.batch * 8
+    out["sync_vs_async"] = {"steps": a.steps, "sync_s": t_sync, "async_s": t_async, "target_heldout": target, "sync_to_target_s": to_sync, "async_to_target_s": to_async,
+                            "sync_completions_per_s": completions / t_sync, "async_completions_per_s": completions / t_async,
+                            "sync_heldout": [m["heldout_reward"] for m in sync_m if "heldout_reward" in m], "async_heldout": [m["heldout_reward"] for m in async_m if "heldout_reward" in m],
+                            "async_policy_lag": sum(m["policy_lag"] for m in async_m) / len(async_m), "async_own_steps": sum(m["own_batches"] for m in async_m),
+                            "async_mismatch_masked": sum(m["mismatch_masked"] for m in async_m) / len(async_m)}
+
+    # 2. int8 vs fp32 workers from one published policy
+    from paths.train_config import load_config
+    from paths.work.rewards import load_reward
+    from paths.work.rollouts import publish, rollout_worker
+    from storage.layout import open_run
+
+    q_run = new_run(a.work, "int8", tasks, seed_dir)
+    run = open_run(q_run)
+    from transformers import AutoModelForCausalLM
+
+    from paths.models import materialize
+
+    materialize(run, "p00", os.path.join(a.work, "int8-p00"))
+    publish(run, "p00", 0, AutoModelForCausalLM.from_pretrained(os.path.join(a.work, "int8-p00")), max_async=100, step=0)
+    cfg = load_config(sets=["group_size=8", "max_new_tokens=32", f"batch_size={a.batch}"], mode="grpo")
+    rewards = [load_reward("math_answer"), load_reward("format=0.2")]
+    rates: dict[str, list[float]] = {"fp32": [], "int8": []}
+    for _ in range(3):
+        for dtype in ("fp32", "int8"):
+            rates[dtype].append(rollout_worker(run, "p00", "rl", cfg, rewards, worker=f"q-{dtype}", dtype=dtype, batches=2)["tokens_per_s"])
+    masked = {}
+    for dtype in ("fp32", "int8"):
+        copy = os.path.join(a.work, f"int8-{dtype}")
+        shutil.copytree(q_run, copy)
+        r = open_run(copy)
+        r.store.delete_prefix(f"rollouts/p00/batches/q-{'int8' if dtype == 'fp32' else 'fp32'}")  # only this dtype's batches
+        from paths.work.train import train
+
+        train(r, "p00", "grpo", "rl", load_config(sets=["group_size=8", "max_new_tokens=32", f"batch_size={a.batch}", "rollouts=store", "max_async=100", "rollout_wait=0", f"lr={a.lr}",
+                                                       "checkpoint_every=0"], steps=1, mode="grpo"), None, show_progress=False, rewards=["math_answer", "format=0.2"])
+        masked[dtype] = metrics(copy, "p00")[0]["mismatch_masked"]
+    out["int8_vs_fp32"] = {"tokens_per_s": {k: sorted(v)[len(v) // 2] for k, v in rates.items()}, "all": rates, "masked_share_step1": masked}
+
+    # 3. 1, 2, 4 workers
+    scale = {}
+    for k in (1, 2, 4):
+        r = new_run(a.work, f"scale-{k}", tasks, seed_dir)
+        wall = async_arm(a.work, r, "p00", a.scale_steps, a.batch, a.lr, k, "rollout_wait=120", tag=f"-{k}")
+        ms = metrics(r, "p00")
+        scale[k] = {"wall_s": wall, "completions_per_s": a.scale_steps * a.batch * 8 / wall, "own_steps": sum(m["own_batches"] for m in ms),
+                    "policy_lag": sum(m["policy_lag"] for m in ms) / len(ms), "stale_batches": sum(m.get("stale_batches", 0) for m in ms)}
+    out["workers"] = scale
+
+    # 4. SAPO vs silo, four families, equal rollouts per path per step (16 groups)
+    sapo = {}
+    for arm, (batch, extra) in {"silo": (a.batch, []), "sapo": (a.batch // 2, [f"external={a.batch // 2}"])}.items():
+        r = new_run(a.work, f"sapo-{arm}", tasks, seed_dir)
+        procs = []
+        for fam, pid in FAMILIES.items():
+            paths_cmd("claim", r, "--path", pid, "--worker", f"{arm}-{pid}", env=env(f"{arm}-{pid}", a.work, 1))
+            procs.append((f"trainer {pid}", paths_cmd(*trainer_args(r, pid, a.sapo_steps, batch, a.lr, "rollout_wait=300", *extra), env=env(f"{arm}-{pid}", a.work, 1), wait=False)))
+            procs.append((f"worker {pid}", paths_cmd("rollout", r, "--path", pid, "--dataset", "rl", "--worker", f"cpu-{pid}", "--batches", str(10 * a.sapo_steps), *REWARDS, *sets(batch, a.lr),
+                                                     "--no-progress", env=env(f"w-{arm}-{pid}", a.work, 1), wait=False)))
+        t0 = time.time()
+        finish(procs)
+        wall = time.time() - t0
+        paths_cmd("compose", r, "--into", "moe", "--name", arm)
+        models = ["base", *(f"path:{p}" for p in FAMILIES.values()), f"composed:{arm}"]
+        table = json.loads(paths_cmd("eval", r, "--dataset", "rl", *(x for m in models for x in ("--model", m)), "--json"))["table"]
+        curves = {pid: [m["reward_mean"] for m in metrics(r, pid)] for pid in FAMILIES.values()}
+        sapo[arm] = {"wall_s": wall, "own_family": {f: table[f"path:{p}"][p] for f, p in FAMILIES.items()}, "composed": table[f"composed:{arm}"], "base": table["base"],
+                     "cumulative_reward": {p: sum(c) for p, c in curves.items()}}
+    out["sapo"] = sapo
+
+    # the figures
+    s = out["sync_vs_async"]
+    print(f"\n1. sync vs async (p00, {a.steps} steps x {a.batch} prompts x 8): sync {t_sync:.0f}s ({s['sync_completions_per_s']:.1f} completions/s), "
+          f"async trainer + 1 worker {t_async:.0f}s ({s['async_completions_per_s']:.1f}/s): {t_sync / t_async:.2f}x; to held-out reward {target:.3f}: "
+          f"sync {to_sync:.0f}s, async {to_async:.0f}s ({(to_sync or 0) / max(1e-9, to_async or 1e9):.2f}x); async lag {s['async_policy_lag']:.2f}, own steps {s['async_own_steps']:.0f}, masked {s['async_mismatch_masked']:.4f}")
+    q = out["int8_vs_fp32"]
+    print(f"2. rollout tokens/s: int8 {q['tokens_per_s']['int8']:.0f}, fp32 {q['tokens_per_s']['fp32']:.0f} ({q['tokens_per_s']['int8'] / q['tokens_per_s']['fp32']:.2f}x); "
+          f"tokens masked at step 1: int8 {masked['int8']:.4f}, fp32 {masked['fp32']:.4f}")
+    print("3. workers: " + "; ".join(f"{k}: {v['completions_per_s']:.1f} completions/s, own steps {v['own_steps']:.0f}, lag {v['policy_lag']:.2f}, stale {v['stale_batches']:.0f}" for k, v in scale.items()))
+    for arm, v in sapo.items():
+        print(f"4. {arm}: own family " + ", ".join(f"{f} {x:.3f}" for f, x in v["own_family"].items()) + f"; composed overall {v['composed']['overall']:.3f} (base {v['base']['overall']:.3f}); "
+              f"cumulative rollout reward {sum(v['cumulative_reward'].values()):.1f}; {v['wall_s']:.0f}s")
+    print(f"reproduce: .venv/bin/python bench/async_rl.py --steps {a.steps} --seed-steps {a.seed_steps} --scale-steps {a.scale_steps} --sapo-steps {a.sapo_steps}")
+    with open(os.path.join(ROOT, "bench", "out", "async_rl.jsonl"), "a") as f:
+        f.write(json.dumps(out) + "\n")
+
+
+if __name__ == "__main__":
+    main()
