@@ -3,7 +3,7 @@
 The metrics JSON lines under work/<unit>/ stay the source of truth; a tracker gets a copy of
 each step's record, so the curves can be watched where people already watch curves. Each tracker
 is an optional extra (`pip install 'paths[tensorboard]'`, `[wandb]`, `[mlflow]`); W&B runs offline
-unless WANDB_MODE says otherwise, MLflow writes to `<logging_dir>/mlruns` unless
+unless WANDB_MODE says otherwise, MLflow writes to `<logging_dir>/mlflow.db` (SQLite) unless
 MLFLOW_TRACKING_URI says otherwise.
 """
 

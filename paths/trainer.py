@@ -146,7 +146,7 @@ class Tracking(Callback):
             if not os.environ.get("MLFLOW_TRACKING_URI"):
                 import mlflow
 
-                mlflow.set_tracking_uri("file:" + os.path.abspath(os.path.join(self.logging_dir, "mlruns")))
+                mlflow.set_tracking_uri("sqlite:///" + os.path.abspath(os.path.join(self.logging_dir, "mlflow.db")))  # MLflow 3 keeps the file store for old runs only
             project, kwargs = self.run_name, {"mlflow": {"run_name": unit}}
         self.acc.init_trackers(project, config={k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))}, init_kwargs=kwargs)
 
