@@ -228,24 +228,31 @@ def _seed_stages(seed_root: str, seed_dir: str, tasks: str, seed_map: str, promp
     ]
 
 
+def _upcycled_seed(root: str, seed_root: str) -> list[Stage]:
+    """The RL scenarios' start: the SFT seed (in `seed_root`, reused when there), upcycled into
+    a 2-expert MoE at `root`, cut into two paths, the arithmetic prompts sharded by hash."""
+    here = os.path.dirname(os.path.abspath(root))
+    seed_dir = os.path.join(here, "quickstart-rl-seed-p00")
+    tasks = os.path.join(here, "quickstart-tasks", "arithmetic.jsonl")  # not in the corpus glob
+    prompts = ["--kind", "prompts", "--text-field", "prompt", "--id-field", "id", "--holdout", "0.2"]
+    return [
+        *_seed_stages(seed_root, seed_dir, tasks, os.path.join(here, "quickstart-tasks", "seed-map.json"), prompts),
+        Command(["storage", "init", root]),
+        Command(["upcycle", root, "--from", seed_dir, "--experts", "2", "--top-k", "2"], unless=lambda: _has_base(root)),
+        Command(["decompose", root, "--levels", "1"]),
+        Command(["shard", root, "--dataset", "arith", "--input", tasks, *prompts, "--router", "hash"]),
+    ]
+
+
 def rl_scenario(root: str = RL_ROOT) -> Scenario:
     """DeepSeek-R1's recipe in miniature, the Branch-Train-MiX way: an SFT cold start on worked
     arithmetic (the seed, one dense path), sparse upcycling of the seed into a 4-expert MoE, GRPO of
     every path by the worker loop on its share of the prompts, compose, and held-out accuracy of the
     seed, each path and the composed MoE; then rejection sampling from the composed model."""
-    here = os.path.dirname(os.path.abspath(root))
-    seed_root, seed_dir = f"{root}-seed", os.path.join(here, "quickstart-rl-seed-p00")
-    tasks = os.path.join(here, "quickstart-tasks", "arithmetic.jsonl")  # not in the corpus glob
-    seed_map = os.path.join(here, "quickstart-tasks", "seed-map.json")
-    accepted = os.path.join(here, "quickstart-tasks", "rejection-sampled.jsonl")
-    prompts = ["--kind", "prompts", "--text-field", "prompt", "--id-field", "id", "--holdout", "0.2"]
+    accepted = os.path.join(os.path.dirname(os.path.abspath(root)), "quickstart-tasks", "rejection-sampled.jsonl")
     models = ["base", "path:p00", "path:p01", "composed:rl"]
     stages: list[Stage] = [
-        *_seed_stages(seed_root, seed_dir, tasks, seed_map, prompts),
-        Command(["storage", "init", root]),
-        Command(["upcycle", root, "--from", seed_dir, "--experts", "2", "--top-k", "2"], unless=lambda: _has_base(root)),
-        Command(["decompose", root, "--levels", "1"]),
-        Command(["shard", root, "--dataset", "arith", "--input", tasks, *prompts, "--router", "hash"]),
+        *_upcycled_seed(root, f"{root}-seed"),
         WorkerLoop(["claim", root, "--ttl", "60", "--worker", "quickstart"],
                    ["train", root, "--mode", "grpo", "--dataset", "arith", *RL_REWARDS, "--steps", str(RL_STEPS), "--checkpoint-every", "0", "--eval-every", "10",
                     *settings("batch_size=16", "group_size=8", "max_new_tokens=24", "warmup_steps=2", "lr=1e-4"), "--no-progress"],
@@ -268,12 +275,7 @@ def swarm_scenario(root: str = SWARM_ROOT) -> Scenario:
     CPU rollout worker, all four at once and knowing nothing of each other but the run; each
     trainer also takes 4 prompt groups a step from the other path's rollouts (SAPO), re-scored by
     its own verifiers. Then compose, the accuracy table, and the report."""
-    here = os.path.dirname(os.path.abspath(root))
     seed_root = root[: -len("-swarm")] + "-rl-seed" if root.endswith("-swarm") else f"{root}-seed"  # the rl scenario's seed, reused when they run together
-    seed_dir = os.path.join(here, "quickstart-rl-seed-p00")
-    tasks = os.path.join(here, "quickstart-tasks", "arithmetic.jsonl")
-    seed_map = os.path.join(here, "quickstart-tasks", "seed-map.json")
-    prompts = ["--kind", "prompts", "--text-field", "prompt", "--id-field", "id", "--holdout", "0.2"]
     sampling = settings(*SWARM_SAMPLING)
     lanes, env = {}, {}
     for p in ("p00", "p01"):
@@ -286,11 +288,7 @@ def swarm_scenario(root: str = SWARM_ROOT) -> Scenario:
         lanes[f"worker {p}"] = [["rollout", root, "--path", p, "--dataset", "arith", "--worker", f"cpu-{p}", "--batches", "1000", *RL_REWARDS, *sampling, "--no-progress"]]
     models = ["base", "path:p00", "path:p01", "composed:swarm"]
     stages: list[Stage] = [
-        *_seed_stages(seed_root, seed_dir, tasks, seed_map, prompts),
-        Command(["storage", "init", root]),
-        Command(["upcycle", root, "--from", seed_dir, "--experts", "2", "--top-k", "2"], unless=lambda: _has_base(root)),
-        Command(["decompose", root, "--levels", "1"]),
-        Command(["shard", root, "--dataset", "arith", "--input", tasks, *prompts, "--router", "hash"]),
+        *_upcycled_seed(root, seed_root),
         Parallel(lanes, env, note="(two trainers and two CPU rollout workers at once; the run is their only link)"),
         Command(["compose", root, "--into", "moe", "--name", "swarm", "--overwrite"]),
         Command(["eval", root, "--dataset", "arith", *(a for m in models for a in ("--model", m))], note="held-out math_answer accuracy (greedy); base is the upcycled seed"),

@@ -315,7 +315,7 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
         loaded, model = None, None
         index = next_index(run, path, worker)
         written, dropped, reloads, tokens, seconds = 0, 0, 0, 0, 0.0
-        seen_version, since = None, 0  # batches written since the trainer last said how many wait
+        seen, since = None, 0  # batches written since the trainer last said how many wait
         deadline = time.time() + wait
         while written < batches:
             if finished(run, path):
@@ -333,11 +333,12 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
                     time.sleep(POLL)  # pruned or being replaced meanwhile: read latest again
                     continue
                 model, reloads = sampler(policy, dtype), reloads + 1
-            if head["version"] != seen_version:
-                seen_version, since = head["version"], 0
+            said = (head["version"], head.get("at"))
+            if said != seen:
+                seen, since = said, 0
             if int(head.get("pending", 0)) + since >= (int(head.get("max_async", cfg.max_async)) + 1) * int(head.get("needs", 1)):
                 waited = time.time()
-                while (latest(run, path) or head)["version"] == head["version"] and time.time() - waited < wait and not finished(run, path):
+                while (lambda h: (h["version"], h.get("at")))(latest(run, path) or head) == said and time.time() - waited < wait and not finished(run, path):
                     time.sleep(POLL)  # enough batches wait for the trainer: more would only go stale
                 continue
             t0 = time.perf_counter()
@@ -405,7 +406,8 @@ class StoreRollouts:
     rejected: dict[str, str] = field(default_factory=dict)
     strikes: dict[str, int] = field(default_factory=dict)
     external: dict[str, int] = field(default_factory=dict)  # SAPO: other paths' batches -> groups of them taken
-    pending: int = 0  # usable batches left in the store after the last take (told to the workers)
+    pending: int = 0  # batches left in the store after the last take that the next step can use (told to the workers)
+    on_starving: Callable[[], None] | None = None
     _rid: str = ""
     _other_records: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     _verifier: tuple[int, str, torch.nn.Module] | None = None
@@ -438,7 +440,7 @@ class StoreRollouts:
         """Up to `count` verified batches usable at this step (policy version within max_async of
         it), waiting up to `wait` seconds for them; stale ones are discarded and bad ones rejected
         on the way."""
-        version, taken = self.steps, []
+        version, taken, starving = self.steps, [], False
         stats = {"stale_batches": 0.0, "rejected_batches": 0.0}
         deadline = time.time() + wait
         while len(taken) < count:
@@ -491,8 +493,12 @@ class StoreRollouts:
                     self._reject(batch.key, batch.worker, str(exc))
                     stats["rejected_batches"] += 1
                 progressed = True
-            self.pending = max(0, len(candidates) - len(taken))
+            used = {v.key for v in taken}
+            self.pending = sum(1 for b in candidates if b.key not in used and b.version >= version + 1 - self.cfg.max_async)  # still usable next step
             if len(taken) < count and not progressed:
+                if not starving and self.on_starving is not None:
+                    self.on_starving()  # tell the workers nothing usable waits, or they hold back
+                starving = True
                 if time.time() >= deadline:
                     break
                 time.sleep(POLL)
@@ -690,6 +696,14 @@ class PolicyPublisher(Callback):
     def __init__(self, run: Run, path: str, max_async: int, source: StoreRollouts | None = None, needs: int = 1):
         self.run, self.path, self.max_async, self.source, self.needs = run, path, max_async, source, needs
         self.checkpointed = 0
+        if source is not None:
+            source.on_starving = self.starving
+
+    def starving(self) -> None:
+        """latest.json again with pending 0: the trainer waits, the workers may sample."""
+        head = latest(self.run, self.path)
+        if head is not None:
+            self.run.store.write(f"{self.run.policy(self.path)}/latest.json", json.dumps({**head, "pending": 0, "at": time.time()}, sort_keys=True).encode())
 
     def _publish(self, trainer: Any) -> None:
         pending = self.source.pending if self.source is not None else 0  # workers hold back while this many are waiting
