@@ -12,7 +12,9 @@ to one path (add p00, sub p01, mul p02, word p03).
    (greedy, every 10 steps) and completions trained on per second.
 2. int8 vs fp32 rollout workers: tokens/s of `paths rollout --dtype int8` and `fp32` from the same
    published policy, alternating, and the share of tokens the trainer masks (icepop) in one step
-   on each's batches.
+   on each's batches; then the same comparison by model width (mini, small and bench-mixtral,
+   randomly initialised: a worker's sampling and log-probs of one 64-row chunk, and the share of
+   int8's tokens the fp32 learner masks). `--only-int8` runs just that.
 3. throughput with 1, 2 and 4 rollout workers feeding one trainer: completions/s, how many steps
    the trainer had to sample itself, the mean policy lag and the stale batches.
 4. SAPO on the four families: every path's trainer fed by its own worker with 8 prompts a batch
@@ -105,6 +107,49 @@ def reached(records: list[dict], target: float, t0: float) -> float | None:
     return None
 
 
+def int8_by_size(presets: list[str], threads: int, prompts: int = 8, prompt_len: int = 24) -> dict[str, dict]:
+    """A rollout worker's arithmetic on one chunk of 64 rows (8 completions of 32 tokens for each
+    of 8 prompts with the KV-cached sampler, then the behaviour log-probs of the chunk) in fp32
+    and int8, on randomly initialised presets of growing width (where matrix multiplies dominate,
+    int8 pays), and the share of int8's tokens the fp32 learner would mask."""
+    import torch
+
+    from paths.base import build_model, load_spec, preset_path
+    from paths.train_config import load_config
+    from paths.work.grpo import logprobs_in_chunks, mismatch_keep
+    from paths.work.quantize import int8_copy
+    from paths.work.sampling import generate
+
+    torch.set_num_threads(threads)
+    out = {}
+    for name in presets:
+        fp32 = build_model(load_spec(preset_path(name), name), seed=0).float().eval()
+        models = {"fp32": fp32, "int8": int8_copy(fp32).eval()}
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, fp32.config.vocab_size, (prompts, prompt_len), generator=g)
+        mask = torch.ones_like(ids)
+        best, behaviour = {}, {}
+        for _ in range(3):
+            for dtype, m in models.items():
+                torch.manual_seed(0)
+                t0 = time.perf_counter()
+                comp = generate(m, ids, mask, 32, 1.0, 1.0, eos_id=-1, pad_id=0, repeats=8)  # no EOS: every row writes 32 tokens
+                full = torch.cat([ids.repeat_interleave(8, 0), comp], 1)
+                behaviour[dtype] = (full, logprobs_in_chunks(m, full, torch.ones_like(full), prompt_len, 1.0, len(full)))
+                best[dtype] = min(best.get(dtype, 1e9), time.perf_counter() - t0)
+        # the share of int8's tokens the fp32 learner masks (icepop's default band)
+        full, lp_int8 = behaviour["int8"]
+        cfg = load_config(mode="grpo")
+        masked = 1 - float(mismatch_keep(logprobs_in_chunks(fp32, full, torch.ones_like(full), prompt_len, 1.0, len(full)), lp_int8, cfg).mean())
+        tokens = prompts * 8 * 32
+        params = sum(p.numel() for p in fp32.parameters())
+        out[name] = {"parameters": params, "hidden": fp32.config.hidden_size, "tokens_per_s": {k: tokens / v for k, v in best.items()}, "int8_speedup": best["fp32"] / best["int8"],
+                     "int8_masked_share": masked}
+        print(f"   {name} (hidden {fp32.config.hidden_size}, {params / 1e6:.1f}M parameters): fp32 {tokens / best['fp32']:.0f} tokens/s, int8 {tokens / best['int8']:.0f} "
+              f"({best['fp32'] / best['int8']:.2f}x), int8 tokens masked by the fp32 learner {masked:.4f}", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", default=os.path.join(ROOT, "bench", "out", "async_rl"))
@@ -115,7 +160,13 @@ def main() -> None:
     ap.add_argument("--sapo-steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--int8-presets", default="mini-mixtral,small-mixtral,bench-mixtral", help="presets of the int8-by-width measurement (empty: skip it)")
+    ap.add_argument("--only-int8", action="store_true", help="run only the int8-by-width measurement")
     a = ap.parse_args()
+    if a.only_int8:
+        print("int8 vs fp32, a rollout worker's arithmetic by model width (2 threads):")
+        print(json.dumps(int8_by_size([p for p in a.int8_presets.split(",") if p], threads=2)))
+        return
     shutil.rmtree(a.work, ignore_errors=True)
     os.makedirs(a.work)
     out: dict = {"at": time.time(), "args": vars(a)}
@@ -174,7 +225,8 @@ def main() -> None:
         train(r, "p00", "grpo", "rl", load_config(sets=["group_size=8", "max_new_tokens=32", f"batch_size={a.batch}", "rollouts=store", "max_async=100", "rollout_wait=0", f"lr={a.lr}",
                                                        "checkpoint_every=0"], steps=1, mode="grpo"), None, show_progress=False, rewards=["math_answer", "format=0.2"])
         masked[dtype] = metrics(copy, "p00")[0]["mismatch_masked"]
-    out["int8_vs_fp32"] = {"tokens_per_s": {k: sorted(v)[len(v) // 2] for k, v in rates.items()}, "all": rates, "masked_share_step1": masked}
+    out["int8_vs_fp32"] = {"tokens_per_s": {k: sorted(v)[len(v) // 2] for k, v in rates.items()}, "all": rates, "masked_share_step1": masked,
+                           "by_width": int8_by_size([p for p in a.int8_presets.split(",") if p], threads=2)}
 
     # 3. 1, 2, 4 workers
     scale = {}
@@ -214,7 +266,8 @@ def main() -> None:
           f"sync {to_sync:.0f}s, async {to_async:.0f}s ({(to_sync or 0) / max(1e-9, to_async or 1e9):.2f}x); async lag {s['async_policy_lag']:.2f}, own steps {s['async_own_steps']:.0f}, masked {s['async_mismatch_masked']:.4f}")
     q = out["int8_vs_fp32"]
     print(f"2. rollout tokens/s: int8 {q['tokens_per_s']['int8']:.0f}, fp32 {q['tokens_per_s']['fp32']:.0f} ({q['tokens_per_s']['int8'] / q['tokens_per_s']['fp32']:.2f}x); "
-          f"tokens masked at step 1: int8 {masked['int8']:.4f}, fp32 {masked['fp32']:.4f}")
+          f"tokens masked at step 1: int8 {masked['int8']:.4f}, fp32 {masked['fp32']:.4f}; by width: "
+          + ", ".join(f"{k} ({v['parameters'] / 1e6:.1f}M) {v['int8_speedup']:.2f}x" for k, v in q["by_width"].items()))
     print("3. workers: " + "; ".join(f"{k}: {v['completions_per_s']:.1f} completions/s, own steps {v['own_steps']:.0f}, lag {v['policy_lag']:.2f}, stale {v['stale_batches']:.0f}" for k, v in scale.items()))
     for arm, v in sapo.items():
         print(f"4. {arm}: own family " + ", ".join(f"{f} {x:.3f}" for f, x in v["own_family"].items()) + f"; composed overall {v['composed']['overall']:.3f} (base {v['base']['overall']:.3f}); "

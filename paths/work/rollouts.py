@@ -29,7 +29,6 @@ import hashlib
 import json
 import random
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -37,7 +36,8 @@ import torch
 
 from paths.errors import ConfigurationError, DataError, NotFound, PathsError, PreconditionFailed
 from paths.trainer import Callback
-from paths.work.grpo import GRPOStep, Samples, grpo_backward, pack, score_samples, to_rollout, logprobs_in_chunks
+from paths.work.grpo import GRPOStep, Samples, grpo_backward, logprobs_in_chunks, pack, score_samples, to_rollout
+from paths.work.quantize import int8_copy
 from paths.work.rewards import Reward
 from paths.work.sampling import complete
 from storage.layout import Run
@@ -128,19 +128,14 @@ def prune(run: Run, path: str, keep: Callable[[int], bool]) -> int:
 
 def sampler(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
     """The model as a rollout worker samples with it: fp32, bf16 weights, or int8 dynamically
-    quantized linear layers (QuaRL: an 8-bit actor, a full-precision learner). A copy for int8."""
+    quantized linear layers and experts (QuaRL: an 8-bit actor, a full-precision learner; see
+    quantize.py). A copy for int8."""
     if dtype == "fp32":
         return model.float()
     if dtype == "bf16":
         return model.to(torch.bfloat16)
     if dtype == "int8":
-        import copy
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice (its dynamic int8 Linear is what runs)
-            from torch.ao.quantization import quantize_dynamic
-
-            return quantize_dynamic(copy.deepcopy(model).float(), {torch.nn.Linear}, dtype=torch.qint8)
+        return int8_copy(model)
     raise ConfigurationError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
 
 

@@ -1,0 +1,54 @@
+"""The int8 actor: every matrix multiply of the feed-forward experts and attention in int8, the
+routers in fp32, the learner's model untouched, and logits close to the fp32 model's."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paths.models import load_base_model
+from paths.work.quantize import Int8Experts, int8_copy, is_fused_experts
+from paths.work.rollouts import sampler
+
+
+def quantized_kinds(model: nn.Module) -> set[str]:
+    return {type(m).__name__ for m in model.modules()}
+
+
+def test_int8_copy_quantizes_experts_and_linears_keeps_routers(tiny_run, family_name):
+    model = load_base_model(tiny_run).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    q = int8_copy(model)
+
+    assert not any(is_fused_experts(m) for m in q.modules()), "fused fp32 experts left in the int8 copy"
+    assert sum(isinstance(m, Int8Experts) for m in q.modules()) == model.config.num_hidden_layers
+    assert not any(isinstance(m, nn.Linear) for m in q.modules()), "an fp32 nn.Linear left in the int8 copy"
+    routers = [m for name, m in q.named_modules() if name.endswith("mlp.gate")]
+    assert routers and all(r.weight.dtype == torch.float32 for r in routers)
+    for k, v in model.state_dict().items():  # the learner's weights are not touched
+        assert torch.equal(v, before[k]), k
+
+    ids = torch.randint(3, model.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref, got = model(ids).logits, q(ids).logits
+    assert got.shape == ref.shape
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none").sum(-1).mean()
+    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean()
+    assert not torch.equal(got, ref)  # int8 rounds
+    assert kl < 0.01, f"int8 next-token distributions {kl:.4f} nats from fp32's"
+    assert agree > 0.9, f"greedy tokens agree on {agree:.2%} only"
+
+
+def test_sampler_int8_routes_each_token_as_the_fp32_experts_do(tiny_run):
+    """With one expert forced per token, Int8Experts adds each expert's output where transformers' loop does."""
+    model = load_base_model(tiny_run).eval()
+    experts = next(m for m in model.modules() if is_fused_experts(m))
+    q = Int8Experts(experts)
+    T, E, K = 10, experts.gate_up_proj.shape[0], 2
+    x = torch.randn(T, experts.gate_up_proj.shape[2], generator=torch.Generator().manual_seed(1))
+    index = torch.stack([torch.arange(T) % E, (torch.arange(T) + 1) % E], dim=1)
+    weights = torch.softmax(torch.randn(T, K, generator=torch.Generator().manual_seed(2)), dim=-1)
+    with torch.no_grad():
+        ref, got = experts(x, index, weights), q(x, index, weights)
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+    assert sampler(model, "int8") is not model
