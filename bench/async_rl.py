@@ -121,6 +121,7 @@ def int8_by_size(presets: list[str], threads: int, prompts: int = 8, prompt_len:
     from paths.work.sampling import generate
 
     torch.set_num_threads(threads)
+    cfg = load_config(mode="grpo")  # icepop's default band
     out = {}
     for name in presets:
         fp32 = build_model(load_spec(preset_path(name), name), seed=0).float().eval()
@@ -137,9 +138,7 @@ def int8_by_size(presets: list[str], threads: int, prompts: int = 8, prompt_len:
                 full = torch.cat([ids.repeat_interleave(8, 0), comp], 1)
                 behaviour[dtype] = (full, logprobs_in_chunks(m, full, torch.ones_like(full), prompt_len, 1.0, len(full)))
                 best[dtype] = min(best.get(dtype, 1e9), time.perf_counter() - t0)
-        # the share of int8's tokens the fp32 learner masks (icepop's default band)
-        full, lp_int8 = behaviour["int8"]
-        cfg = load_config(mode="grpo")
+        full, lp_int8 = behaviour["int8"]  # the share of int8's tokens the fp32 learner masks
         masked = 1 - float(mismatch_keep(logprobs_in_chunks(fp32, full, torch.ones_like(full), prompt_len, 1.0, len(full)), lp_int8, cfg).mean())
         tokens = prompts * 8 * 32
         params = sum(p.numel() for p in fp32.parameters())
@@ -163,9 +162,10 @@ def main() -> None:
     ap.add_argument("--int8-presets", default="mini-mixtral,small-mixtral,bench-mixtral", help="presets of the int8-by-width measurement (empty: skip it)")
     ap.add_argument("--only-int8", action="store_true", help="run only the int8-by-width measurement")
     a = ap.parse_args()
+    widths = [p for p in a.int8_presets.split(",") if p]
     if a.only_int8:
         print("int8 vs fp32, a rollout worker's arithmetic by model width (2 threads):")
-        print(json.dumps(int8_by_size([p for p in a.int8_presets.split(",") if p], threads=2)))
+        print(json.dumps(int8_by_size(widths, threads=2)))
         return
     shutil.rmtree(a.work, ignore_errors=True)
     os.makedirs(a.work)
@@ -226,7 +226,7 @@ def main() -> None:
                                                        "checkpoint_every=0"], steps=1, mode="grpo"), None, show_progress=False, rewards=["math_answer", "format=0.2"])
         masked[dtype] = metrics(copy, "p00")[0]["mismatch_masked"]
     out["int8_vs_fp32"] = {"tokens_per_s": {k: sorted(v)[len(v) // 2] for k, v in rates.items()}, "all": rates, "masked_share_step1": masked,
-                           "by_width": int8_by_size([p for p in a.int8_presets.split(",") if p], threads=2)}
+                           "by_width": int8_by_size(widths, threads=2)}
 
     # 3. 1, 2, 4 workers
     scale = {}

@@ -11,11 +11,7 @@ from paths.work.quantize import Int8Experts, int8_copy, is_fused_experts
 from paths.work.rollouts import sampler
 
 
-def quantized_kinds(model: nn.Module) -> set[str]:
-    return {type(m).__name__ for m in model.modules()}
-
-
-def test_int8_copy_quantizes_experts_and_linears_keeps_routers(tiny_run, family_name):
+def test_int8_copy_quantizes_experts_and_linears_keeps_routers(tiny_run):
     model = load_base_model(tiny_run).eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     q = int8_copy(model)
