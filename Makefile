@@ -39,6 +39,8 @@ $(VENV)/.bench: $(VENV)/.installed
 	@$(PY) -m pip freeze | grep -iE '^($(PINNED))==' | cat - $(VENV)/constraints.txt > $(VENV)/constraints-bench.txt
 	$(PY) -m pip install -q -c $(VENV)/constraints-bench.txt --no-deps mosaicml-streaming==0.13.0
 	$(PY) -m pip install -q -c $(VENV)/constraints-bench.txt xxhash zstd python-snappy Brotli catalogue boto3 pillow trl mergekit
+	# TOPLOC (bench/verify_rollouts.py): its wheel is built for another torch; built here against this one
+	$(PY) -m pip install -q -c $(VENV)/constraints-bench.txt --no-build-isolation --no-binary toploc toploc==0.1.6
 	@touch $@
 
 bench: install $(VENV)/.bench
@@ -48,6 +50,7 @@ bench: install $(VENV)/.bench
 	$(PY) bench/train.py
 	$(PY) bench/grpo.py
 	$(PY) bench/compose.py
+	$(PY) bench/verify_rollouts.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -84,7 +84,16 @@ def new_run(work: str, name: str, tasks: str, seed_dir: str) -> str:
 
 def trainer_args(run: str, path: str, steps: int, batch: int, lr: float, *extra: str, store: bool = True) -> list[str]:
     args = ["train", run, "--path", path, "--mode", "grpo", "--dataset", "rl", *REWARDS, "--steps", str(steps), "--checkpoint-every", "0", "--no-progress", *sets(batch, lr, *extra)]
-    return args + (["--rollouts", "store", "--max-async", "2"] if store else [])
+    return args + (["--rollouts", "store", "--max-async", "2", "--set", "rollout_dtypes=fp32,bf16,int8"] if store else [])  # int8 workers are measured here
+
+
+def admitted(work: str, run: str, name: str) -> str:
+    """A worker key file (made once), admitted to `run` as `name`."""
+    key = os.path.join(work, "keys", f"{name}.key")
+    if not os.path.exists(key):
+        paths_cmd("keys", "new", "--out", key)
+    paths_cmd("keys", "admit", run, "--name", name, "--key", f"{key}.pub")
+    return key
 
 
 def async_arm(work: str, run: str, path: str, steps: int, batch: int, lr: float, workers: int, *extra: str, dtype: str = "fp32", tag: str = "") -> float:
@@ -93,7 +102,7 @@ def async_arm(work: str, run: str, path: str, steps: int, batch: int, lr: float,
     t0 = time.time()
     procs = [("trainer", paths_cmd(*trainer_args(run, path, steps, batch, lr, *extra), env=env(f"t-{path}{tag}", work, 1), wait=False))]
     for w in range(workers):
-        procs.append((f"worker {w}", paths_cmd("rollout", run, "--path", path, "--dataset", "rl", "--worker", f"cpu-{w}{tag}", "--dtype", dtype, "--batches", str(10 * steps), *REWARDS,
+        procs.append((f"worker {w}", paths_cmd("rollout", run, "--path", path, "--dataset", "rl", "--key", admitted(work, run, f"cpu-{w}{tag}"), "--dtype", dtype, "--batches", str(10 * steps), *REWARDS,
                                                *sets(batch, lr), "--no-progress", env=env(f"w-{path}-{w}{tag}", work, 1), wait=False)))
     finish(procs)
     return time.time() - t0
@@ -197,17 +206,18 @@ def main() -> None:
     # 2. int8 vs fp32 workers from one published policy
     from paths.train_config import load_config
     from paths.work.rewards import load_reward
-    from paths.work.rollouts import publish, rollout_worker
+    from paths.work.rollouts import publish, rollout_worker, set_open
     from storage.layout import open_run
 
     q_run = new_run(a.work, "int8", tasks, seed_dir)
     run = open_run(q_run)
+    set_open(run, True)  # one process plays every worker: unsigned batches
     from transformers import AutoModelForCausalLM
 
     from paths.models import materialize
 
     materialize(run, "p00", os.path.join(a.work, "int8-p00"))
-    publish(run, "p00", 0, AutoModelForCausalLM.from_pretrained(os.path.join(a.work, "int8-p00")), max_async=100, step=0)
+    publish(run, "p00", 0, AutoModelForCausalLM.from_pretrained(os.path.join(a.work, "int8-p00")), "00" * 32, max_async=100, step=0)
     cfg = load_config(sets=["group_size=8", "max_new_tokens=32", f"batch_size={a.batch}"], mode="grpo")
     rewards = [load_reward("math_answer"), load_reward("format=0.2")]
     rates: dict[str, list[float]] = {"fp32": [], "int8": []}
@@ -222,7 +232,7 @@ def main() -> None:
         r.store.delete_prefix(f"rollouts/p00/batches/q-{'int8' if dtype == 'fp32' else 'fp32'}")  # only this dtype's batches
         from paths.work.train import train
 
-        train(r, "p00", "grpo", "rl", load_config(sets=["group_size=8", "max_new_tokens=32", f"batch_size={a.batch}", "rollouts=store", "max_async=100", "rollout_wait=0", f"lr={a.lr}",
+        train(r, "p00", "grpo", "rl", load_config(sets=["group_size=8", "max_new_tokens=32", f"batch_size={a.batch}", "rollouts=store", "max_async=100", "rollout_wait=0", f"lr={a.lr}", "rollout_dtypes=fp32,bf16,int8",
                                                        "checkpoint_every=0"], steps=1, mode="grpo"), None, show_progress=False, rewards=["math_answer", "format=0.2"])
         masked[dtype] = metrics(copy, "p00")[0]["mismatch_masked"]
     out["int8_vs_fp32"] = {"tokens_per_s": {k: sorted(v)[len(v) // 2] for k, v in rates.items()}, "all": rates, "masked_share_step1": masked,
@@ -246,7 +256,7 @@ def main() -> None:
         for fam, pid in FAMILIES.items():
             paths_cmd("claim", r, "--path", pid, "--worker", f"{arm}-{pid}", env=env(f"{arm}-{pid}", a.work, 1))
             procs.append((f"trainer {pid}", paths_cmd(*trainer_args(r, pid, a.sapo_steps, batch, a.lr, "rollout_wait=300", *extra), env=env(f"{arm}-{pid}", a.work, 1), wait=False)))
-            procs.append((f"worker {pid}", paths_cmd("rollout", r, "--path", pid, "--dataset", "rl", "--worker", f"cpu-{pid}", "--batches", str(10 * a.sapo_steps), *REWARDS, *sets(batch, a.lr),
+            procs.append((f"worker {pid}", paths_cmd("rollout", r, "--path", pid, "--dataset", "rl", "--key", admitted(a.work, r, f"cpu-{pid}"), "--batches", str(10 * a.sapo_steps), *REWARDS, *sets(batch, a.lr),
                                                      "--no-progress", env=env(f"w-{arm}-{pid}", a.work, 1), wait=False)))
         t0 = time.time()
         finish(procs)

@@ -35,7 +35,7 @@ def main(debug: bool) -> None:
 
 
 def _register() -> None:
-    from cli import compose_cmds, data_cmds, expert_cmds, model_cmds, quickstart, rl_cmds, storage_cmds, work_cmds
+    from cli import compose_cmds, data_cmds, expert_cmds, keys_cmds, model_cmds, quickstart, rl_cmds, storage_cmds, work_cmds
 
     for command in (model_cmds.init, model_cmds.upcycle, model_cmds.plan, model_cmds.decompose, model_cmds.materialize):
         main.add_command(command)
@@ -46,6 +46,7 @@ def _register() -> None:
         main.add_command(command)
     main.add_command(rl_cmds.rejection_sample)
     main.add_command(rl_cmds.rollout)
+    main.add_command(keys_cmds.keys)
     main.add_command(compose_cmds.compose)
     main.add_command(compose_cmds.evaluate)
     main.add_command(compose_cmds.next_round)

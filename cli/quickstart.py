@@ -95,7 +95,9 @@ def run_parallel(stage: scenarios.Parallel) -> None:
         th.join()
     for name in stage.lanes:
         for argv, code, out in results[name]:
-            click.echo(f"[{name}] {out.splitlines()[-1] if out else ''}" if code in (0, NOTHING_TO_CLAIM) else f"[{name}] {out}")
+            lines = out.splitlines()
+            shown = [x for x in lines[:-1] if x.startswith("rollouts: ")] + lines[-1:]  # the summary, and how rollouts were checked
+            click.echo("\n".join(f"[{name}] {x}" for x in shown or [""]) if code in (0, NOTHING_TO_CLAIM) else f"[{name}] {out}")
             if code == NOTHING_TO_CLAIM:
                 click.echo(f"[{name}] nothing to claim (exit 3): already trained")
             elif code:

@@ -38,7 +38,8 @@ def rejection_sample(run: str, model_spec: str, dataset: str, shard: str | None,
 @click.argument("run", envvar="PATHS_RUN")
 @click.option("--path", "path_id", required=True, help="The path whose asynchronous trainer this worker feeds.")
 @click.option("--dataset", required=True, help="The prompt dataset the trainer trains on.")
-@click.option("--worker", help="This worker's name in the batch keys (default: hostname-random).")
+@click.option("--worker", help="This worker's name: the one its key was admitted under (found from the key), or in an open run any name (default: hostname-random).")
+@click.option("--key", "key_file", help="Ed25519 private key that signs the batches (default: $PATHS_HOME/worker.key, else .paths/worker.key, when it exists; `paths keys new`).")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "int8"]), default="fp32", show_default=True, help="Sample in this precision; int8: dynamically quantized linear layers (QuaRL).")
 @click.option("--batches", default=1, show_default=True, help="Rollout batches to write, then stop.")
 @click.option("--wait", default=600.0, show_default=True, help="Seconds to wait for the trainer's first policy version.")
@@ -46,29 +47,33 @@ def rejection_sample(run: str, model_spec: str, dataset: str, shard: str | None,
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="A TOML like configs/train/grpo.toml (batch_size, group_size, max_new_tokens, temperature).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override one setting (repeatable): must match the trainer's batch_size, group_size, temperature, top_p.")
 @click.option("--no-progress", is_flag=True)
-def rollout(run: str, path_id: str, dataset: str, worker: str | None, dtype: str, batches: int, wait: float, rewards: tuple[str, ...], config_file: str | None, sets: tuple[str, ...], no_progress: bool) -> None:
+def rollout(run: str, path_id: str, dataset: str, worker: str | None, key_file: str | None, dtype: str, batches: int, wait: float, rewards: tuple[str, ...], config_file: str | None,
+            sets: tuple[str, ...], no_progress: bool) -> None:
     """A rollout worker: sample batches from the newest published policy of a path and write them
     to the run for `paths train --mode grpo --rollouts store` (runs on CPU machines too)."""
     from tqdm import tqdm
 
+    import os
+
     from paths.train_config import load_config
-    from paths.work.claims import default_worker
     from paths.work.rewards import load_reward
-    from paths.work.rollouts import rollout_worker
+    from paths.work.rollouts import load_key, rollout_worker
+    from paths.work.rollouts.keys import default_key_file
     from storage.layout import open_run
 
     cfg = load_config(config_file, sets, mode="grpo")
-    name = worker or default_worker()
+    key = load_key(key_file) if key_file else load_key(default_key_file()) if os.path.exists(default_key_file()) else None
     reward_fns = [load_reward(r) for r in rewards or ["math_answer"]]
-    bar = tqdm(total=batches, desc=f"rollout {path_id} ({name}, {dtype})", disable=no_progress)
+    bar = tqdm(total=batches, desc=f"rollout {path_id} ({worker or 'worker'}, {dtype})", disable=no_progress)
 
     def shown(b: dict) -> None:
         bar.update(1)
         bar.set_postfix(version=b["version"], reward=f"{b['reward_mean']:.3f}", tok_s=f"{b['tokens_per_s']:,.0f}")
 
     try:
-        summary = rollout_worker(open_run(run), path_id, dataset, cfg, reward_fns, worker=name, dtype=dtype, batches=batches, wait=wait, on_batch=shown)
+        summary = rollout_worker(open_run(run), path_id, dataset, cfg, reward_fns, worker=worker, key=key, dtype=dtype, batches=batches, wait=wait, on_batch=shown)
     finally:
         bar.close()
-    click.echo(f"wrote {summary['batches']} rollout batches of {path_id} as {name} ({dtype}, last policy version {summary['last_version']}, "
+    signed = f"signed by {summary['key'][:16]}..." if summary["key"] else "unsigned"
+    click.echo(f"wrote {summary['batches']} rollout batches of {path_id} as {summary['worker']} ({signed}, {dtype}, last policy version {summary['last_version']}, "
                f"{summary['tokens_per_s']:,.0f} tokens/s, {summary['dropped_stale']} dropped as too stale, {summary['reloads']} policy loads)")

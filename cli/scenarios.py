@@ -271,7 +271,7 @@ def rl_scenario(root: str = RL_ROOT) -> Scenario:
 
 def swarm_scenario(root: str = SWARM_ROOT) -> Scenario:
     """Decentralised asynchronous RL through the bucket: the RL scenario's seed upcycled into two
-    paths; for each path a GRPO trainer (`--rollouts store`, at most 2 policy versions of lag) and a
+    paths; a signing key per rollout worker, admitted to the run; for each path a GRPO trainer (`--rollouts store`, at most 2 policy versions of lag) and a
     CPU rollout worker, all four at once and knowing nothing of each other but the run; each
     trainer also takes 4 prompt groups a step from the other path's rollouts (SAPO), re-scored by
     its own verifiers. Then compose, the accuracy table, and the report."""
@@ -283,12 +283,17 @@ def swarm_scenario(root: str = SWARM_ROOT) -> Scenario:
                                  ["train", root, "--mode", "grpo", "--dataset", "arith", *RL_REWARDS, "--rollouts", "store", "--max-async", "2", "--external", "4",
                                   "--steps", str(SWARM_STEPS), "--checkpoint-every", "0", *sampling, *settings("warmup_steps=2", "lr=1e-4", "rollout_wait=20"), "--no-progress"]]
         env[f"trainer {p}"] = {"PATHS_HOME": os.path.join(f"{root}-home", p), "OMP_NUM_THREADS": "1"}  # each trainer on its own machine: its own claim file
+    keys: list[Stage] = []
     for p in ("p00", "p01"):
+        key = os.path.join(f"{root}-home", "keys", f"cpu-{p}.key")  # on the worker's machine; only its .pub travels
+        keys += [Command(["keys", "new", "--out", key], unless=lambda key=key: "(the worker's key exists)" if os.path.exists(key) else None),
+                 Command(["keys", "admit", root, "--name", f"cpu-{p}", "--key", f"{key}.pub"], note="(the run's owner admits the worker: only signed batches of admitted keys are read)")]
         env[f"worker {p}"] = {"OMP_NUM_THREADS": "1"}
-        lanes[f"worker {p}"] = [["rollout", root, "--path", p, "--dataset", "arith", "--worker", f"cpu-{p}", "--batches", "1000", *RL_REWARDS, *sampling, "--no-progress"]]
+        lanes[f"worker {p}"] = [["rollout", root, "--path", p, "--dataset", "arith", "--key", key, "--batches", "1000", *RL_REWARDS, *sampling, "--no-progress"]]
     models = ["base", "path:p00", "path:p01", "composed:swarm"]
     stages: list[Stage] = [
         *_upcycled_seed(root, seed_root),
+        *keys,
         Parallel(lanes, env, note="(two trainers and two CPU rollout workers at once; the run is their only link)"),
         Command(["compose", root, "--into", "moe", "--name", "swarm", "--overwrite"]),
         Command(["eval", root, "--dataset", "arith", *(a for m in models for a in ("--model", m))], note="held-out math_answer accuracy (greedy); base is the upcycled seed"),

@@ -94,6 +94,8 @@ def train(run: str | None, path_id: str | None, mode: str, dataset: str, steps: 
     finally:
         if beat is not None:
             beat.stop()
+    if "rollouts" in summary:
+        click.echo(f"rollouts: {summary['rollouts']}")
     if "final" in summary:  # rank 0 (other ranks write nothing)
         click.echo(f"trained {summary['path']}: {summary['steps']} steps, {summary['tokens']:,} tokens, final loss {summary['final_loss']:.4f} -> {summary['final']}")
 

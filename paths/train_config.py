@@ -61,7 +61,7 @@ class TrainConfig:
     overlong_buffer: int = 0
     eval_every: int = 0
     eval_prompts: int = 64
-    # --mode grpo --rollouts store: asynchronous RL through the bucket (paths/work/rollouts.py)
+    # --mode grpo --rollouts store: asynchronous RL through the bucket (paths/work/rollouts/)
     rollouts: str = "local"
     max_async: int = 2
     mismatch: str = "icepop"
@@ -69,8 +69,11 @@ class TrainConfig:
     mismatch_high: float = 2.0
     mismatch_delta: float = 0.3
     rollout_wait: float = 60.0
-    verify_rows: int = 2
-    verify_tolerance: float = 0.05
+    verify_rows: int = 0
+    verify_goal: float = 0.99
+    verify_forged_share: float = 0.25
+    rollout_reads: int = 0
+    rollout_dtypes: str = "fp32,bf16"
     max_rejections: int = 3
     external: int = 0
     # experiment tracking (paths/tracking.py): a copy of the metrics for TensorBoard, W&B or MLflow
@@ -118,15 +121,19 @@ class TrainConfig:
             raise ConfigurationError(f"mismatch must be icepop, ipo or none, got {self.mismatch!r}")
         if not 0 < self.mismatch_low <= 1 <= self.mismatch_high or self.mismatch_delta <= 0:
             raise ConfigurationError(f"need 0 < mismatch_low <= 1 <= mismatch_high and mismatch_delta > 0, got {self.mismatch_low}, {self.mismatch_high}, {self.mismatch_delta}")
-        for name in ("rollout_wait", "verify_tolerance"):
+        for name in ("rollout_wait", "verify_rows", "rollout_reads"):
             if getattr(self, name) < 0:
                 raise ConfigurationError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 < self.verify_goal < 1 or not 0 < self.verify_forged_share <= 1:
+            raise ConfigurationError(f"need 0 < verify_goal < 1 and 0 < verify_forged_share <= 1, got {self.verify_goal} and {self.verify_forged_share}")
         if self.external < 0:
             raise ConfigurationError(f"--external must be >= 0 (prompt groups taken from other paths' rollouts per step), got {self.external}")
         if self.external and self.rollouts != "store":
             raise ConfigurationError("--external J takes other paths' rollout batches from the run: use it with --rollouts store")
-        if self.verify_rows < 1 or self.max_rejections < 1:
-            raise ConfigurationError(f"verify_rows and max_rejections must be >= 1, got {self.verify_rows} and {self.max_rejections}")
+        if not self.rollout_dtypes or any(d not in ("fp32", "bf16", "int8") for d in self.rollout_dtypes.split(",")):
+            raise ConfigurationError(f"rollout_dtypes must be a comma-separated choice of fp32, bf16, int8, got {self.rollout_dtypes!r}")
+        if self.max_rejections < 1:
+            raise ConfigurationError(f"max_rejections must be >= 1, got {self.max_rejections}")
         if self.rollouts == "store" and (self.dynamic_sampling or self.iterations > 1):
             raise ConfigurationError("--rollouts store takes each batch as the workers sampled it: turn dynamic_sampling off and keep iterations = 1")
         if self.precision not in ("auto", "fp32", "bf16"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 from storage.errors import ConfigurationError, IntegrityError
 from storage.layout import COMMITTED, Run, open_run, parse_checkpoint
 from storage.manifest import MANIFEST, Problem, verify_manifest
-from storage.store import HIDDEN_PREFIX, ObjectInfo
+from storage.store import HIDDEN_PREFIX, ObjectInfo, stale_lock
 
 
 def path_of(key: str) -> str | None:
@@ -201,31 +202,76 @@ def _finished_async(run: Run, older_than_s: float, now: float) -> list[GcItem]:
 
 
 def _stale_temp_files(run: Run, older_than_s: float, now: float) -> list[GcItem]:
-    """Temp files, scratch folders and staged artifacts that a crashed local write left behind
-    (hidden from listings; lock files stay)."""
-    fs, root = run.store.fs, run.store.root
+    """What local writes leave behind: temp files, scratch folders and staged artifacts of
+    interrupted writes (hidden from listings) and folders left empty, idle past the cut-off; and
+    lock files of holders killed before they removed them (nobody holds them: removed at once)."""
     if run.store.protocol != "file":
         return []
-    out = []
-    for path, info in fs.find(root, withdirs=False, detail=True).items():
-        parts = path[len(root) + 1 :].split("/")
-        if any(p.startswith(HIDDEN_PREFIX) and not p.startswith(HIDDEN_PREFIX + "lock-") for p in parts):
-            age = now - float(info.get("mtime") or now)
-            if age >= older_than_s:
-                out.append(GcItem(path[len(root) + 1 :], f"temp file, {_age(age)} old", 1, int(info["size"])))
+    root = run.store.root
+    out, holding = [], set()  # holding: folders with a file somewhere beneath
+    for folder, subfolders, files in os.walk(root, topdown=False):
+        rel = os.path.relpath(folder, root).replace(os.sep, "/")
+        for name in files:
+            key = name if rel == "." else f"{rel}/{name}"
+            try:
+                info = os.stat(os.path.join(folder, name))
+            except FileNotFoundError:
+                continue  # a live writer renamed or removed it meanwhile
+            if name.startswith(HIDDEN_PREFIX + "lock-"):
+                out.append(GcItem(key, "lock file of a killed holder", 1, info.st_size))
+                continue
+            holding.add(folder)
+            age = now - info.st_mtime
+            if any(p.startswith(HIDDEN_PREFIX) for p in key.split("/")) and age >= older_than_s:
+                out.append(GcItem(key, f"temp file, {_age(age)} old", 1, info.st_size))
+        if folder in holding or any(os.path.join(folder, d) in holding for d in subfolders):
+            holding.add(folder)
+        elif rel != "." and now - _mtime_of(folder, now) >= older_than_s:
+            out.append(GcItem(rel, "empty folder", 0, 0))
     return out
 
 
 def gc_apply(run: Run, plan: list[GcItem]) -> int:
-    """Remove what the plan lists; returns objects removed."""
+    """Remove what the plan lists, and on a local folder the folders that leaves empty; returns
+    objects removed."""
     removed = 0
+    local = run.store.protocol == "file"
     for item in plan:
+        path = f"{run.store.root}/{item.key}"
         if item.reason.startswith("temp file"):
-            run.store.fs.rm_file(f"{run.store.root}/{item.key}")
+            run.store.fs.rm_file(path)
             removed += 1
+        elif item.reason.startswith("lock file"):
+            removed += int(stale_lock(path))  # unless someone took it meanwhile
+        elif item.reason == "empty folder":
+            _remove_empty(run.store.root, path)
         else:
             removed += run.store.delete_prefix(item.key)
+        if local:
+            _remove_empty(run.store.root, os.path.dirname(path) if item.reason.startswith(("temp file", "lock file")) else path)
     return removed
+
+
+def _mtime_of(path: str, default: float) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except FileNotFoundError:
+        return default
+
+
+def _remove_empty(root: str, folder: str) -> None:
+    """Remove `folder` and then its parents, up to (not including) `root`, while they are empty."""
+    for f in (os.path.join(d, n) for d, subs, _ in os.walk(folder, topdown=False) for n in subs):
+        try:
+            os.rmdir(f)
+        except OSError:
+            pass
+    while os.path.abspath(folder).startswith(os.path.abspath(root) + os.sep):
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return  # not empty, or gone
+        folder = os.path.dirname(folder)
 
 
 def _age(seconds: float) -> str:

@@ -119,6 +119,10 @@ class Run:
         """rollouts/<path>/: batches/<worker>/<batch>.safetensors from rollout workers, rejected/."""
         return f"rollouts/{validate_name('path', path_id)}"
 
+    def allowlist(self) -> str:
+        """workers/allowlist.json: the rollout workers' public keys the run's owner admitted."""
+        return "workers/allowlist.json"
+
     def composed(self, name: str) -> str:
         """composed/<name>/"""
         return f"composed/{validate_name('composed model', name)}"

@@ -345,10 +345,15 @@ class LocalStore(Store):
         return os.path.join(head, f"{HIDDEN_PREFIX}tmp-{uuid.uuid4().hex[:12]}-{tail}")
 
     def _write_tmp(self, path: str, data: bytes) -> str:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = self._tmp(path)
         try:
-            with open(tmp, "wb") as f:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            try:
+                f = open(tmp, "wb")
+            except FileNotFoundError:  # gc took the emptied folder away between the two calls
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                f = open(tmp, "wb")
+            with f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
@@ -471,7 +476,11 @@ def _remove_quietly(path: str) -> None:
 
 
 class _FileLock:
-    """An exclusive flock(2) on a lock file; released by the kernel if the process dies."""
+    """An exclusive flock(2) on a lock file, removed again by its holder: a lock leaves no file
+    behind. Whoever takes the lock checks that the path still names the file it locked (the
+    holder before it may have unlinked it meanwhile) and otherwise tries again, so two processes
+    never both hold a key's lock. The kernel releases the flock if the process dies; a file left
+    by a killed holder is collected by `paths storage gc` (`stale_lock`)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -480,15 +489,55 @@ class _FileLock:
     def __enter__(self) -> "_FileLock":
         import fcntl
 
-        self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
+        while True:
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+            except FileNotFoundError:  # gc took the emptied folder away meanwhile
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if _names(self.path, fd):
+                self.fd = fd
+                return self
+            os.close(fd)  # unlinked by the holder we waited for: lock the file that is there now
 
     def __exit__(self, *exc: object) -> None:
         import fcntl
 
+        _remove_quietly(self.path)  # while still holding it: a waiter sees the path gone and retries
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
+
+
+def _names(path: str, fd: int) -> bool:
+    """Whether `path` still names the open file `fd`."""
+    try:
+        a, b = os.stat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def stale_lock(path: str) -> bool:
+    """Remove the lock file `path` if nobody holds its lock (a holder killed before removing it);
+    whether it was removed."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # held right now
+        if not _names(path, fd):
+            return False
+        _remove_quietly(path)
+        return True
+    finally:
+        os.close(fd)
 
 
 class MemoryStore(Store):

@@ -191,15 +191,21 @@ def pack(records: list[dict[str, Any]], completion_ids: list[list[int]], group: 
     return torch.cat([prompt, comp], 1).to(device), torch.cat([pmask, cmask], 1).to(device), prompt.shape[1], cmask.to(device)
 
 
-def completion_logprobs(model: torch.nn.Module, ids_NT: torch.Tensor, attention_NT: torch.Tensor, prompt_len: int, temperature: float, entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """log pi(token) of each completion token, (N, C), at the sampling temperature (and, with
-    `entropy`, each position's entropy). Only the completion's logits are materialised."""
+def completion_logits(model: torch.nn.Module, ids_NT: torch.Tensor, attention_NT: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """(N, C, V) float logits predicting each completion token, teacher-forced in one pass; only
+    the completion's logits are materialised."""
     c = ids_NT.shape[1] - prompt_len
     positions = (attention_NT.cumsum(1) - 1).clamp(min=0)
     core = getattr(model, "module", model)  # DDP keeps the model in .module
     keep = {"logits_to_keep": c + 1} if "logits_to_keep" in forward_arguments(type(core)) else {}
     logits = model(input_ids=ids_NT, attention_mask=attention_NT, position_ids=positions, **keep).logits
-    logits = logits[:, -(c + 1) : -1].float() / temperature  # predictions of the completion tokens, (N, C, V)
+    return logits[:, -(c + 1) : -1].float()
+
+
+def completion_logprobs(model: torch.nn.Module, ids_NT: torch.Tensor, attention_NT: torch.Tensor, prompt_len: int, temperature: float, entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log pi(token) of each completion token, (N, C), at the sampling temperature (and, with
+    `entropy`, each position's entropy). Only the completion's logits are materialised."""
+    logits = completion_logits(model, ids_NT, attention_NT, prompt_len) / temperature
     lse = torch.logsumexp(logits, -1)
     logp = logits.gather(-1, ids_NT[:, prompt_len:].unsqueeze(-1)).squeeze(-1) - lse
     if not entropy:

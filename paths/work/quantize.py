@@ -67,7 +67,7 @@ class Int8Experts(nn.Module):
 def int8_copy(model: nn.Module) -> nn.Module:
     """An fp32 copy of `model` with every linear layer and every fused expert in int8 (the original
     is untouched: the learner keeps it)."""
-    q = copy.deepcopy(model).float()
+    q = copy.deepcopy(model).to("cpu", torch.float32)  # dynamic quantization runs on the CPU
     for name, module in list(q.named_modules()):
         if name and is_fused_experts(module):
             parent, _, attr = name.rpartition(".")

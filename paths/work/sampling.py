@@ -42,29 +42,42 @@ def cache_argument(model: torch.nn.Module) -> str:
     return "cache" if "cache" in forward_arguments(type(model)) else "past_key_values"
 
 
-def sample_tokens(logits_NV: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """One token per row from softmax(logits / temperature), restricted to the top-p nucleus;
-    temperature 0 is greedy."""
-    if temperature == 0:
-        return logits_NV.argmax(-1)
+def sampling_cdf(logits_NV: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """(N, V) cumulative distribution, in vocabulary order, of softmax(logits / temperature)
+    restricted to the top-p nucleus (not normalised: its last column is the total). The sampler
+    and the trainer's check of a worker's samples (rollouts/verify.py) both compute it here."""
     probs = torch.softmax(logits_NV.float() / temperature, -1)
     if top_p < 1.0:
         sorted_p, order = probs.sort(-1, descending=True)
         outside = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest set reaching top_p
         sorted_p[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    # inverse-CDF sampling: one uniform number per row (multinomial draws one per vocabulary entry,
-    # 15x slower on CPU); right=True never lands on a zero-probability entry
-    cdf = probs.cumsum(-1)
-    total = cdf[:, -1:]
+    return probs.cumsum(-1)
+
+
+def inverse_cdf(cdf_NV: torch.Tensor, u_N: torch.Tensor) -> torch.Tensor:
+    """The token each row's uniform number in [0, 1) picks: the first entry whose cumulative
+    probability exceeds u x total (right=True never lands on a zero-probability entry)."""
+    total = cdf_NV[:, -1:]
     if not bool(torch.isfinite(total).all() and (total > 0).all()):
         raise DataError("the model produced non-finite logits while sampling: lower the learning rate, or train in fp32 (--set precision=fp32)")
-    u = torch.rand((len(probs), 1), device=probs.device) * total
-    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+    return torch.searchsorted(cdf_NV, u_N.to(cdf_NV).view(-1, 1) * total, right=True).squeeze(1).clamp_(max=cdf_NV.shape[-1] - 1)
+
+
+def sample_tokens(logits_NV: torch.Tensor, temperature: float, top_p: float, u_N: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row from softmax(logits / temperature), restricted to the top-p nucleus;
+    temperature 0 is greedy. Inverse-CDF sampling: one uniform number per row (multinomial draws
+    one per vocabulary entry, 15x slower on CPU), from torch's generator or given in `u_N` (a
+    rollout worker's seeded numbers, which the trainer can check)."""
+    if temperature == 0:
+        return logits_NV.argmax(-1)
+    u = torch.rand(len(logits_NV), device=logits_NV.device) if u_N is None else u_N
+    return inverse_cdf(sampling_cdf(logits_NV, temperature, top_p), u)
 
 
 @torch.inference_mode()
-def generate(model: torch.nn.Module, ids_NP: torch.Tensor, mask_NP: torch.Tensor, max_new_tokens: int, temperature: float, top_p: float, eos_id: int, pad_id: int, repeats: int = 1) -> torch.Tensor:
+def generate(model: torch.nn.Module, ids_NP: torch.Tensor, mask_NP: torch.Tensor, max_new_tokens: int, temperature: float, top_p: float, eos_id: int, pad_id: int, repeats: int = 1,
+             uniforms_NC: torch.Tensor | None = None) -> torch.Tensor:
     """Sampled completions (N x repeats, C) with a KV cache: one prefill, then one token per
     forward. A lean loop instead of `generate()`: for small models its per-token bookkeeping costs
     as much as the forward pass. With `repeats`, each prompt is prefilled once and its cache copied
@@ -86,7 +99,8 @@ def generate(model: torch.nn.Module, ids_NP: torch.Tensor, mask_NP: torch.Tensor
     out = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=ids_NP.device)
     width = ids_NP.shape[1]
     for t in range(max_new_tokens):
-        token = torch.where(done, pad_id, sample_tokens(logits, temperature, top_p))  # (N,)
+        u = None if uniforms_NC is None else uniforms_NC[:, t]
+        token = torch.where(done, pad_id, sample_tokens(logits, temperature, top_p, u))  # (N,)
         out[:, t] = token
         done |= token == eos_id
         if t + 1 == max_new_tokens or bool(done.all()):
@@ -102,9 +116,12 @@ def record_fields(records: list[dict[str, Any]], repeat: int) -> dict[str, list[
     return {k: [r.get(k) for r in records for _ in range(repeat)] for k in names}
 
 
-def complete(model: torch.nn.Module, records: list[dict[str, Any]], group: int, tokenizer: Any, *, max_new_tokens: int, temperature: float, top_p: float = 1.0, chunk: int = 64) -> tuple[list[list[int]], list[bool]]:
+def complete(model: torch.nn.Module, records: list[dict[str, Any]], group: int, tokenizer: Any, *, max_new_tokens: int, temperature: float, top_p: float = 1.0, chunk: int = 64,
+             uniforms: torch.Tensor | None = None) -> tuple[list[list[int]], list[bool]]:
     """`group` sampled completions per record (greedy at temperature 0), generated `chunk` rows at
-    a time: token ids up to and including EOS, and which were cut at max_new_tokens."""
+    a time: token ids up to and including EOS, and which were cut at max_new_tokens. `uniforms`
+    ((records x group, max_new_tokens), optional) are the numbers each completion's tokens are
+    drawn with, whatever the chunking."""
     # a chunk of whole groups prefills each prompt once; otherwise every row is its own prompt
     shared = group if chunk % group == 0 else 1
     rows = [r["ids"] for r in records for _ in range(group // shared)]
@@ -118,8 +135,11 @@ def complete(model: torch.nn.Module, records: list[dict[str, Any]], group: int, 
         for i in range(0, len(rows), per):
             ids, mask = left_pad(rows[i : i + per], pad, device)
             if forward_arguments(type(model)) & {"cache", "past_key_values"}:
-                out = generate(model, ids, mask, max_new_tokens, temperature, top_p, eos, pad, repeats=shared).tolist()
+                u = None if uniforms is None else uniforms[i * shared : (i + per) * shared].to(device)
+                out = generate(model, ids, mask, max_new_tokens, temperature, top_p, eos, pad, repeats=shared, uniforms_NC=u).tolist()
             else:  # a model with its own decoding (the ensemble): its generate()
+                if uniforms is not None:
+                    raise DataError(f"{type(model).__name__} decodes with its own generate(): it cannot sample from given seeds")
                 ids, mask = ids.repeat_interleave(shared, 0), mask.repeat_interleave(shared, 0)
                 sampled = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
                 out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, **sampled)[:, ids.shape[1]:].tolist()

@@ -174,6 +174,7 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
 
             freeze_shared(model, get_family(require_base(run)["base"]["family"]), model.config.num_hidden_layers)
         extra: list[Callback] = []
+        summary_extra: dict[str, Any] = {}
         common = dict(seed=cfg.seed, batch_size=cfg.batch_size, rank=acc.process_index, world_size=acc.num_processes)
         batches: Any = None
         if mode == "lm":
@@ -198,7 +199,9 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
 
                 if acc.num_processes > 1:
                     raise ConfigurationError("--rollouts store runs one trainer process per path (rollout workers scale out instead): launch it without accelerate's multi-process")
-                source = StoreRollouts(run, path_id, dataset, cfg, data.records, reward_fns, tokenizer, lambda: AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32))
+                source = StoreRollouts(run, path_id, dataset, cfg, data.records, reward_fns, tokenizer, lambda: AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32),
+                                      device=acc.device)
+                summary_extra["rollouts"] = source.describe()
                 step, batches = AsyncGRPOStep(cfg, source, ref, dataset), source
                 extra.append(PolicyPublisher(run, path_id, cfg.max_async, source, cfg.grad_accum))
             else:
@@ -218,7 +221,8 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
             callbacks=[*callbacks, Signals()], show_progress=show_progress, resume_hint="`paths claim && paths train` (the path was handed back)",
         )
         result = trainer.fit()
-        summary = {"path": path_id, "mode": mode, "freeze": cfg.freeze, "steps": result.step, "tokens": result.tokens, "final_loss": result.loss, "resumed_from": result.resumed_from, "init": init}
+        summary = {"path": path_id, "mode": mode, "freeze": cfg.freeze, "steps": result.step, "tokens": result.tokens, "final_loss": result.loss, "resumed_from": result.resumed_from, "init": init,
+                   **summary_extra}
         # anchored: every shared tensor is still the base's (this stage froze them, and so did the one before)
         summary["anchored"] = cfg.freeze == "shared" and (previous_stage is None or bool(previous_stage.get("anchored")))
         if previous_stage is not None:

@@ -70,11 +70,13 @@ def test_swarm_scenario_trains_two_paths_from_rollout_workers_and_composes(tmp_p
     result = CliRunner().invoke(main, ["quickstart", "--scenario", "swarm", "--root", root], catch_exceptions=False)
     assert result.exit_code == 0, result.stderr
     assert "[trainer p00] trained p00: 30 steps" in result.stdout and "[trainer p01] trained p01: 30 steps" in result.stdout
-    assert "[worker p00] wrote" in result.stdout and "math_answer accuracy on arith (heldout)" in result.stdout
+    assert "[worker p00] wrote" in result.stdout and "as cpu-p00 (signed by" in result.stdout and "math_answer accuracy on arith (heldout)" in result.stdout
+    assert "[trainer p00] rollouts: seed-checking" in result.stdout
     run = open_run(root)
     for p in ("p00", "p01"):
         steps = [json.loads(x) for x in run.store.read(f"work/{p}/metrics.jsonl").decode().splitlines()]
         assert sum(m["store_batches"] for m in steps) >= 20  # mostly the worker's batches
         assert sum(m["external_groups"] for m in steps) > 0  # and the other path's experience
+        assert sum(m["verified_rows"] for m in steps) > 0
     assert not run.store.list("rollouts/p00/rejected") and not run.store.list("rollouts/p01/rejected")
     assert f"wrote {root}-report/index.html" in result.stdout

@@ -1,0 +1,247 @@
+"""The trainer's checks of a rollout batch: everything it can recompute, it recomputes.
+
+On every row (cheap): the prompts are the ones the batch seed draws, each is the path's own
+prompt, completions are well formed (EOS only at the end, cut only at max_new_tokens, ids in the
+vocabulary, finite log-probs), rewards are recomputed from the text (stated ones that differ
+reject the batch), and no row was learned before (its hash joins the trainer's data position).
+
+On rows picked in secret (the trainer's own system randomness, nothing the worker controls):
+the seed check. One teacher-forced pass of the stated policy version, in the stated dtype, gives
+each position's sampling distribution; the worker drew token t of row r by inverse CDF with the
+seeded number u[r, t], so u must fall inside the stated token's CDF interval. A position may miss
+it only by `slack` of probability mass, and only a `near_share` of the checked positions may miss
+at all (honest workers miss when the worker's and the trainer's kernels round differently; the
+tolerances per dtype are measured in bench/verify_rollouts.py). The behaviour log-probs of the
+checked tokens are compared token by token. A moved, edited, invented or cherry-picked completion
+is not what its seeds draw: it misses at the first position where the model was not certain.
+
+How many rows: the fewest k of N such that a batch with a `forged_share` of forged rows is
+rejected with probability >= `goal` (hypergeometric: no forged row among k draws).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from paths.work.grpo import Samples, completion_logits, pack, score_samples
+from paths.work.rollouts.batch import DTYPES, Batch, Rejected, prompt_sha
+from paths.work.rollouts.policy import copy_as, load_version
+from paths.work.rollouts.seeds import batch_seed, pick_prompts, row_hash, row_uniforms
+from paths.work.sampling import device_of, sampling_cdf
+from storage.layout import Run
+
+POSITIONS_PER_CHUNK = 1 << 24  # (positions x vocabulary) floats a seed check holds at once
+
+
+@dataclass(frozen=True, slots=True)
+class Tolerance:
+    """How far an honest worker of a dtype may be from the trainer's own computation."""
+
+    slack: float  # probability mass between a position's seeded point and the stated token's interval
+    near_share: float  # share of checked positions that may miss their interval at all (by <= slack)
+    prob: float  # |p_stated - p_trainer| of a checked token's behaviour probability
+
+
+# Honest divergence measured on CPU (bench/verify_rollouts.py on an SFT-trained mini-mixtral path,
+# 64-row batches, 24 tokens, temperature 1; README "Rollouts nobody has to trust"): the largest
+# miss and share of positions outside their interval seen over three runs: fp32 0 and 0%; bf16
+# 8.2e-3 and 3.6% (a less trained seed); int8 1.25e-1 and 12%; behaviour-probability gaps below
+# 2e-6 in every dtype. Each bound sits well above the worst honest value (fp32's leaves room for
+# another machine's kernels). A worker states its dtype, so the loosest accepted one bounds what
+# a liar gets: `rollout_dtypes = "fp32"` takes fp32 batches only.
+TOLERANCES = {
+    "fp32": Tolerance(slack=1e-3, near_share=0.01, prob=1e-3),
+    "bf16": Tolerance(slack=0.05, near_share=0.10, prob=0.01),
+    "int8": Tolerance(slack=0.3, near_share=0.25, prob=0.02),
+}
+
+
+def detection_probability(n: int, k: int, forged_share: float) -> float:
+    """P(at least one forged row among k of n rows drawn without replacement), with
+    ceil(forged_share x n) forged rows."""
+    forged = min(n, max(1, math.ceil(forged_share * n)))
+    k = min(k, n)
+    return 1.0 - math.comb(n - forged, k) / math.comb(n, k)
+
+
+def rows_to_verify(n: int, forged_share: float, goal: float, rows: int = 0) -> int:
+    """`rows` when given (at most n), else the fewest rows reaching `goal`."""
+    if rows:
+        return min(rows, n)
+    return next(k for k in range(1, n + 1) if detection_probability(n, k, forged_share) >= goal or k == n)
+
+
+@dataclass
+class SeedCheck:
+    """What the seed check of a batch's picked rows saw."""
+
+    rows: int = 0
+    positions: int = 0
+    near: int = 0  # positions that missed their interval (within slack)
+    worst_miss: float = 0.0  # the largest distance from a seeded point to its token's interval
+    worst_gap: float = 0.0  # the largest |p_stated - p_trainer| of a checked token
+
+
+@dataclass
+class Verified:
+    """A batch that passed every check: scored by the trainer's verifiers, as Samples."""
+
+    key: str
+    worker: str
+    version: int
+    samples: Samples
+    behaviour_logp: list[list[float]]
+    rows: list[str]  # row hashes
+    check: "SeedCheck"
+
+
+def check_structure(batch: Batch, max_new_tokens: int, eos: int, vocab: int) -> None:
+    """Every completion: not empty, EOS only as its last token, cut without EOS only at
+    max_new_tokens, ids in the vocabulary, finite behaviour log-probs <= 0."""
+    for r, c in enumerate(batch.completion_ids):
+        if not 0 < len(c) <= max_new_tokens:
+            raise Rejected(f"row {r}: {len(c)} tokens, not 1 to max_new_tokens {max_new_tokens}")
+        if eos in c[:-1]:
+            raise Rejected(f"row {r} goes on after EOS: a sampler stops there")
+        if c[-1] != eos and len(c) != max_new_tokens:
+            raise Rejected(f"row {r} ends after {len(c)} tokens without EOS: a sampler stops only at EOS or max_new_tokens {max_new_tokens} (cut short)")
+        if min(c) < 0 or max(c) >= vocab:
+            raise Rejected(f"row {r}: token ids outside the vocabulary of {vocab}")
+        logp = batch.behaviour_logp_NC[r, : len(c)]
+        if not bool(torch.isfinite(logp).all()) or bool((logp > 1e-4).any()):
+            raise Rejected(f"row {r}: behaviour log-probs are not finite, or above 0")
+
+
+def position_misses(model: torch.nn.Module, records: list[dict[str, Any]], completions: list[list[int]], uniforms_NC: torch.Tensor, behaviour_NC: torch.Tensor,
+                    temperature: float, top_p: float, pad_id: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per completion, one teacher-forced pass: at each position, how far (in probability mass)
+    the seeded point u x total lies from the stated token's CDF interval (0 inside), whether it
+    lies inside, and |p_stated - p_model| of the token's behaviour probability."""
+    ids, attention, p, _ = pack(records, completions, 1, pad_id, torch.device("cpu"))
+    vocab = int(model.config.vocab_size)
+    per = max(1, POSITIONS_PER_CHUNK // max(1, vocab * ids.shape[1]))
+    with torch.inference_mode():
+        for start in range(0, len(completions), per):
+            logits_KCV = completion_logits(model, ids[start : start + per].to(device_of(model)), attention[start : start + per].to(device_of(model)), p).cpu()
+            for j, r in enumerate(range(start, min(start + per, len(completions)))):
+                length = len(completions[r])
+                token_C = torch.tensor(completions[r])
+                cdf_CV = sampling_cdf(logits_KCV[j, :length], temperature, top_p)
+                total_C = cdf_CV[:, -1]
+                x_C = uniforms_NC[r, :length] * total_C  # where the sampler's search landed
+                hi_C = cdf_CV.gather(1, token_C[:, None]).squeeze(1)
+                lo_C = torch.where(token_C > 0, cdf_CV.gather(1, (token_C - 1).clamp(min=0)[:, None]).squeeze(1), torch.zeros_like(hi_C))
+                inside_C = (x_C >= lo_C) & (x_C < hi_C)
+                miss_C = ((lo_C - x_C).clamp(min=0) + (x_C - hi_C).clamp(min=0)) / total_C
+                miss_C = torch.where(hi_C > lo_C, miss_C, torch.ones_like(miss_C))  # a token outside the nucleus (probability 0) is never drawn
+                mine_C = torch.log_softmax(logits_KCV[j, :length] / temperature, -1).gather(1, token_C[:, None]).squeeze(1)
+                yield miss_C, inside_C, (mine_C.exp() - behaviour_NC[r, :length].exp()).abs()
+
+
+class BatchVerifier:
+    """The checks of one path's trainer: its run, prompts, verifiers and settings, and one model
+    per (policy version, dtype) to recompute what workers sampled."""
+
+    def __init__(self, run: Run, path: str, dataset: str, run_id: str, cfg: Any, records: list[dict[str, Any]], rewards: list[Any], tokenizer: Any,
+                 make_model: Callable[[], torch.nn.Module], device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.run, self.path, self.dataset, self.run_id, self.cfg = run, path, dataset, run_id, cfg
+        self.records, self.rewards, self.tokenizer, self.make_model = records, rewards, tokenizer, make_model
+        self.rows = rows_to_verify(cfg.batch_size * cfg.group_size, cfg.verify_forged_share, cfg.verify_goal, cfg.verify_rows)
+        self.detect = detection_probability(cfg.batch_size * cfg.group_size, self.rows, cfg.verify_forged_share)
+        self.secret = random.SystemRandom()  # which rows are checked: nothing in the bucket predicts it
+        self._weights: torch.nn.Module | None = None
+        self._model: tuple[int, str, torch.nn.Module] | None = None
+        self.vocab = 0
+
+    def describe(self) -> str:
+        n = self.cfg.batch_size * self.cfg.group_size
+        return (f"seed-checking {self.rows} of {n} rows per batch, picked in secret: a batch with {self.cfg.verify_forged_share:.0%} forged rows "
+                f"is rejected with probability {self.detect:.4f}")
+
+    def model(self, version: int, dtype: str) -> torch.nn.Module:
+        """Policy version `version` as a `dtype` sampler computes (one kept at a time)."""
+        if self._model is None or self._model[:2] != (version, dtype):
+            if self._weights is None:
+                with torch.random.fork_rng(devices=[]):  # checking a batch never moves the trainer's random state
+                    self._weights = self.make_model().eval().to(self.device)
+                self.vocab = int(self._weights.config.vocab_size)
+            try:
+                load_version(self.run, self.path, version, self._weights)
+            except Exception:
+                raise Rejected(f"policy version {version} cannot be loaded (pruned meanwhile): it cannot be checked", attributable=False) from None
+            self._model = (version, dtype, copy_as(self._weights, dtype))
+        return self._model[2]
+
+    def verify(self, batch: Batch, version_record: dict[str, Any], seen_rows: Callable[[str], bool]) -> Verified:
+        """Every check against the trainer's own data, verifiers and policy; Rejected on the first failure."""
+        try:
+            return self._verify(batch, version_record, seen_rows)
+        except (TypeError, ValueError, IndexError, KeyError) as exc:  # signed fields well typed yet absurd: the signer's doing
+            raise Rejected(f"metadata the checks cannot use ({type(exc).__name__}: {str(exc)[:80]})") from None
+
+    def _verify(self, batch: Batch, version_record: dict[str, Any], seen_rows: Callable[[str], bool]) -> Verified:
+        cfg, meta, tok = self.cfg, batch.meta, self.tokenizer
+        accepted = cfg.rollout_dtypes.split(",")
+        if meta["dtype"] not in DTYPES or meta["dtype"] not in accepted:
+            raise Rejected(f"sampled in {meta['dtype']!r}; this trainer takes {cfg.rollout_dtypes} (rollout_dtypes)")
+        settings = (int(meta["group_size"]), float(meta["temperature"]), float(meta["top_p"]), int(meta["max_new_tokens"]))
+        if settings != (cfg.group_size, cfg.temperature, cfg.top_p, cfg.max_new_tokens):
+            raise Rejected(f"sampled with group_size, temperature, top_p, max_new_tokens {settings}; the trainer uses {(cfg.group_size, cfg.temperature, cfg.top_p, cfg.max_new_tokens)}")
+        n = len(batch.completion_ids)
+        if n != cfg.batch_size * cfg.group_size:
+            raise Rejected(f"{n} completions; batch_size {cfg.batch_size} x group_size {cfg.group_size} should be {cfg.batch_size * cfg.group_size}")
+        seed = batch_seed(version_record["nonce"], batch.worker, meta["key"], batch.position)
+        picked = pick_prompts(seed, cfg.batch_size, len(self.records))
+        if meta["prompt_index"] != picked:
+            raise Rejected(f"prompts {str(meta['prompt_index'])[:60]} are not the ones its seed draws ({str(picked)[:60]}): chosen prompts")
+        records = [self.records[i] for i in picked]
+        if meta["prompt_sha256"] != [prompt_sha(r) for r in records]:
+            raise Rejected("prompts differ from the path's own prompts (another shard?)")
+        self.model(batch.version, meta["dtype"])  # loads the version: the vocabulary is known from here on
+        check_structure(batch, cfg.max_new_tokens, tok.eos_token_id, self.vocab)
+        group = cfg.group_size
+        hashes = [row_hash(records[r // group]["ids"], c, seed, r) for r, c in enumerate(batch.completion_ids)]
+        if any(seen_rows(h) for h in hashes) or len(set(hashes)) != n:
+            raise Rejected("holds rows the trainer has already taken (replay)")
+        truncated = [c[-1] != tok.eos_token_id for c in batch.completion_ids]
+        samples = score_samples(records, batch.completion_ids, truncated, self.rewards, cfg, tok)  # the stated rewards are never used
+        stated = meta["rewards"]
+        if not isinstance(stated, list) or len(stated) != n or any(not isinstance(s, (int, float)) or abs(float(s) - v) > 1e-6 for s, v in zip(stated, samples.rewards)):
+            raise Rejected("stated rewards differ from what the trainer's verifiers give the completions (forged)")
+        check = self.check_seeds(batch, records, seed, sorted(self.secret.sample(range(n), self.rows)))
+        lengths = [len(c) for c in batch.completion_ids]
+        return Verified(batch.key, batch.worker, batch.version, samples, [batch.behaviour_logp_NC[i, :l].tolist() for i, l in enumerate(lengths)], hashes, check)
+
+    def check_seeds(self, batch: Batch, records: list[dict[str, Any]], seed: bytes, rows: list[int], tol: Tolerance | None = None) -> SeedCheck:
+        """The seed check of `rows` (Rejected beyond the dtype's tolerance, or `tol`)."""
+        cfg, version, dtype = self.cfg, batch.version, batch.meta["dtype"]
+        tol = tol or TOLERANCES[dtype]
+        u_all = row_uniforms(seed, len(batch.completion_ids), cfg.max_new_tokens)
+        seen = SeedCheck(rows=len(rows))
+        found = position_misses(self.model(version, dtype), [records[r // cfg.group_size] for r in rows], [batch.completion_ids[r] for r in rows], u_all[rows],
+                                batch.behaviour_logp_NC[rows], cfg.temperature, cfg.top_p, self.tokenizer.pad_token_id)
+        for r, (miss_C, inside_C, gap_C) in zip(rows, found):
+            if not bool(torch.isfinite(miss_C).all() and torch.isfinite(gap_C).all()):
+                raise Rejected(f"policy version {version} gives non-finite probabilities on row {r}: it cannot be checked", attributable=False)
+            t = int(miss_C.argmax())
+            if float(miss_C[t]) > tol.slack:
+                raise Rejected(f"row {r} token {t} is not what its seed draws from policy version {version} ({dtype}): {float(miss_C[t]):.3g} of probability "
+                               f"away (tolerance {tol.slack}): a moved, edited, chosen or made-up completion")
+            seen.near += int((~inside_C).sum())
+            seen.positions += len(miss_C)
+            seen.worst_miss = max(seen.worst_miss, float(miss_C[t]))
+            t = int(gap_C.argmax())
+            seen.worst_gap = max(seen.worst_gap, float(gap_C[t]))
+            if float(gap_C[t]) > tol.prob:
+                raise Rejected(f"behaviour probability of row {r} token {t} differs from policy version {version}'s ({dtype}) by {float(gap_C[t]):.4f} "
+                               f"(tolerance {tol.prob}): made up")
+        if seen.near > max(1, tol.near_share * seen.positions):
+            raise Rejected(f"{seen.near} of {seen.positions} checked tokens miss their seeded draw (at most {tol.near_share:.0%} may, each by <= {tol.slack}): "
+                           "sampled from another model, or chosen")
+        return seen

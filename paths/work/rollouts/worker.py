@@ -1,0 +1,203 @@
+"""The rollout worker (`paths rollout`): sample batches from the newest policy version and write them.
+
+Each batch is drawn from seeds the worker cannot choose (seeds.py): its prompts and every
+completion token follow from the version's nonce, the worker's name and key, and the batch's
+position in the worker's chain. A batch names (signed) the digest of the one before it, and the
+trainer takes the chain in order, so a worker cannot sample many positions and keep the best, nor
+skip one by writing something else in its place. Batches are signed with the worker's Ed25519
+key and written with a create-only put; the object's number is only a name (the next free one).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+
+from paths.errors import ConfigurationError, DataError, NotFound, PreconditionFailed
+from paths.work.grpo import logprobs_in_chunks, pack, score_samples
+from paths.work.rewards import Reward
+from paths.work.rollouts.batch import DTYPES, Rejected, batch_key, decode, digest_of, encode, parse_key, prompt_sha
+from paths.work.rollouts.keys import public_hex, read_allowlist
+from paths.work.rollouts.policy import latest, load_version, sampler
+from paths.work.rollouts.seeds import batch_seed, pick_prompts, row_uniforms, run_id
+from paths.work.sampling import complete
+from storage.layout import Run
+
+POLL = 0.2  # seconds between reads of latest.json while waiting
+
+
+def identity(run: Run, key: Any, name: str | None) -> tuple[str, str]:
+    """(worker name, public key hex or "") this worker writes as: the name its key was admitted
+    under; without a key, only in a run its owner opened (`paths keys open`)."""
+    from paths.work.claims import default_worker
+
+    allow = read_allowlist(run)
+    where = run.store.url_of(run.allowlist())
+    if key is None:
+        if not allow.open:
+            raise ConfigurationError(f"{run.url} takes signed rollout batches only ({where}): create a key with `paths keys new` and have the run's owner admit it "
+                                     "(`paths keys admit RUN --name NAME --key PUBLIC`), or the owner opens the run to unsigned batches (`paths keys open RUN`)")
+        return name or default_worker(), ""
+    public = public_hex(key)
+    admitted = allow.by_key(public)
+    if admitted is not None and not admitted.active:
+        raise ConfigurationError(f"worker key {public[:16]}... ({admitted.name}) was revoked from {run.url}: its batches are not read any more")
+    if admitted is None:
+        if not allow.open:
+            raise ConfigurationError(f"worker key {public[:16]}... is not admitted to {run.url}: the run's owner admits it with "
+                                     f"`paths keys admit {run.url} --name NAME --key {public}`")
+        return name or default_worker(), public
+    if name is not None and name != admitted.name:
+        raise ConfigurationError(f"worker key {public[:16]}... is admitted as {admitted.name!r}, not {name!r}: drop --worker, or pass --worker {admitted.name}")
+    return admitted.name, public
+
+
+def next_index(run: Run, path: str, worker: str) -> int:
+    """The object number after the highest one under this worker's folder."""
+    done = [where[1] for o in run.store.list(f"{run.rollouts(path)}/batches/{worker}") if (where := parse_key(o.key))]
+    return max(done) + 1 if done else 0
+
+
+def chain_head(run: Run, path: str, worker: str, public: str, looks: int = 64) -> tuple[int, str]:
+    """(next position, digest of the last batch) of this worker's chain, from its own newest
+    batch in its folder (objects it did not sign are passed over, at most `looks` of them)."""
+    keys = sorted((where[1], o.key) for o in run.store.list(f"{run.rollouts(path)}/batches/{worker}") if (where := parse_key(o.key)))
+    for _, key in reversed(keys[-looks:]):
+        try:
+            batch = decode(run.store.read(key), key, 1 << 40, public or None)
+        except (Rejected, NotFound):
+            continue
+        if batch.worker == worker and batch.meta["path"] == path and batch.meta["key"] == public:
+            return batch.position + 1, batch.digest
+    if len(keys) > looks:
+        raise DataError(f"none of the newest {looks} objects in {run.store.url_of(f'{run.rollouts(path)}/batches/{worker}')} is this worker's: someone writes there; "
+                        "ask the run's owner to admit this key under another name")
+    return 0, ""
+
+
+def finished(run: Run, path: str) -> bool:
+    """Whether the path's claim says its training is done."""
+    from paths.work.claims import read_claim
+
+    record, _ = read_claim(run, path)
+    return record is not None and record.get("state") == "done"
+
+
+def _prompts(run: Run, path: str, dataset: str) -> list[dict[str, Any]]:
+    """The path's training prompts (a domain expert's: its domain's shard)."""
+    from paths.units import data_id
+    from sharding.dataset import dataset_manifest, path_entry, read_prompts
+
+    manifest = dataset_manifest(run, dataset)
+    if manifest.get("data_kind") != "prompts":
+        raise ConfigurationError(f"dataset {dataset!r} holds documents: a rollout worker needs a prompt dataset (`paths shard --kind prompts`)")
+    try:
+        shard = data_id(run, path, manifest)
+    except NotFound:
+        shard = path
+    if shard not in manifest.get("paths", {}):
+        raise ConfigurationError(f"path {path} has no prompt shard in dataset {dataset!r}: route prompts to it, or run the worker for another path")
+    path_entry(run, dataset, shard)
+    records = read_prompts(run, dataset, shard, "train")
+    if not records:
+        raise ConfigurationError(f"path {path} has no training prompts in dataset {dataset!r}: shard more prompts, or run the worker for another path")
+    return records
+
+
+def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Reward], *, worker: str | None = None, key: Any = None, dtype: str = "fp32",
+                   batches: int = 1, wait: float = 600.0, on_batch: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Write `batches` rollout batches of `path` (each: batch_size prompts x group_size completions
+    drawn from its seeds with the newest policy version in `dtype`, signed with `key`), reloading
+    whenever the policy moved on and dropping a batch that would arrive more than max_async
+    versions late; stop early once the path's training is done. Returns a summary."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from paths.models import materialize
+    from paths.work.sampling import check_prompts
+
+    if dtype not in DTYPES:
+        raise ConfigurationError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if batches < 1:
+        raise ConfigurationError(f"--batches must be >= 1, got {batches}")
+    name, public = identity(run, key, worker)
+    records = _prompts(run, path, dataset)
+    hf_logging.disable_progress_bar()
+    local = tempfile.mkdtemp(prefix=f"paths-rollout-{path}-")
+    try:
+        materialize(run, path, os.path.join(local, "init"))
+        policy = AutoModelForCausalLM.from_pretrained(os.path.join(local, "init"), dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(os.path.join(local, "init"))
+        check_prompts(records, rewards, dataset, policy.config.max_position_embeddings, cfg.max_new_tokens)
+        rid = run_id(run)
+        loaded, model = None, None
+        position, previous = chain_head(run, path, name, public)
+        index = next_index(run, path, name)
+        written, dropped, reloads, tokens, seconds = 0, 0, 0, 0, 0.0
+        seen, since = None, 0  # batches written since the trainer last said how many wait
+        deadline = time.time() + wait
+        while written < batches:
+            if finished(run, path):
+                break  # the trainer is done with the path: nobody will use more
+            head = latest(run, path)
+            if head is None:
+                if time.time() > deadline:
+                    raise NotFound(f"no policy of {path} was published in {run.url} within {wait:.0f}s: start `paths train --mode grpo --rollouts store` for it")
+                time.sleep(POLL)
+                continue
+            if loaded is None or head["version"] != loaded["version"]:
+                try:
+                    loaded = load_version(run, path, int(head["version"]), policy)
+                except (NotFound, DataError):
+                    time.sleep(POLL)  # pruned or being replaced meanwhile: read latest again
+                    continue
+                if public:
+                    identity(run, key, name)  # revoked meanwhile: stop
+                model, reloads = sampler(policy, dtype), reloads + 1
+            said = (head["version"], head.get("at"))
+            if said != seen:
+                seen, since = said, 0
+            if int(head.get("pending", 0)) + since >= (int(head.get("max_async", cfg.max_async)) + 1) * int(head.get("needs", 1)):
+                waited = time.time()
+                while (lambda h: (h["version"], h.get("at")))(latest(run, path) or head) == said and time.time() - waited < wait and not finished(run, path):
+                    time.sleep(POLL)  # enough batches wait for the trainer: more would only go stale
+                continue
+            t0 = time.perf_counter()
+            seed = batch_seed(loaded["nonce"], name, public, position)
+            picked = pick_prompts(seed, cfg.batch_size, len(records))
+            recs = [records[i] for i in picked]
+            with torch.inference_mode():
+                completion_ids, truncated = complete(model, recs, cfg.group_size, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                                                     chunk=cfg.generation_batch_size or cfg.batch_size * cfg.group_size,
+                                                     uniforms=row_uniforms(seed, cfg.batch_size * cfg.group_size, cfg.max_new_tokens))
+                ids, attention, p, _ = pack(recs, completion_ids, cfg.group_size, tokenizer.pad_token_id, torch.device("cpu"))
+                logp = logprobs_in_chunks(model, ids, attention, p, cfg.temperature, cfg.batch_size * cfg.group_size)
+            samples = score_samples(recs, completion_ids, truncated, rewards, cfg, tokenizer)
+            seconds += time.perf_counter() - t0
+            now = latest(run, path)
+            if now is not None and int(now["version"]) - int(loaded["version"]) > int(now.get("max_async", cfg.max_async)):
+                dropped += 1  # it would arrive too late to be used: reload first (same position, the new version's seeds)
+                continue
+            meta = {"run": rid, "path": path, "dataset": dataset, "worker": name, "batch": position, "previous": previous, "policy_version": int(loaded["version"]), "policy_sha256": loaded["sha256"],
+                    "nonce": loaded["nonce"], "dtype": dtype, "prompt_index": picked, "prompt_sha256": [prompt_sha(r) for r in recs], "rewards": samples.rewards,
+                    "group_size": cfg.group_size, "temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens, "at": time.time()}
+            data = encode(completion_ids, logp, meta, key if public else None)
+            while True:
+                try:
+                    run.store.put_if_absent(batch_key(run, path, name, index), data)
+                    break
+                except PreconditionFailed:
+                    index = next_index(run, path, name)  # the number is taken (by anyone): the next free one; the chain is in the batch
+            written, index, since, position, previous = written + 1, index + 1, since + 1, position + 1, digest_of(data)
+            tokens += sum(len(c) for c in completion_ids)
+            if on_batch is not None:
+                on_batch({"batch": position - 1, "version": meta["policy_version"], "reward_mean": sum(samples.rewards) / len(samples.rewards), "tokens": tokens, "tokens_per_s": tokens / max(1e-9, seconds)})
+        return {"path": path, "worker": name, "key": public, "dtype": dtype, "batches": written, "dropped_stale": dropped, "reloads": reloads, "tokens": tokens,
+                "tokens_per_s": tokens / max(1e-9, seconds), "last_version": loaded["version"] if loaded else None}
+    finally:
+        shutil.rmtree(local, ignore_errors=True)

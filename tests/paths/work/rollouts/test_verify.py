@@ -1,0 +1,92 @@
+"""The pieces of the trainer's checks: how many rows, seeded sampling that any chunking reproduces,
+the row hashes that keep a row from being learned twice, and malformed completions."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from paths.work.rewards import load_reward
+from paths.work.rollouts import decode, detection_probability, encode, rows_to_verify
+from paths.work.rollouts.batch import Rejected
+from paths.work.rollouts.seeds import batch_seed, pick_prompts, row_uniforms
+from paths.work.rollouts.source import StoreRollouts
+from paths.work.sampling import complete
+from sharding.dataset import read_prompts
+from tests.paths.work.conftest import loaded, prompt_run
+from tests.paths.work.rollouts.conftest import REWARD, keyed, settings, start, worker
+
+
+@pytest.mark.parametrize("n", [16, 32, 64, 256])
+def test_rows_to_verify_meets_the_goal_with_the_fewest_rows(n):
+    k = rows_to_verify(n, 0.25, 0.99)
+    assert detection_probability(n, k, 0.25) >= 0.99 > detection_probability(n, k - 1, 0.25)
+    forged, rng, trials = set(range(n // 4)), random.Random(0), 20000  # the trainer's pick, simulated
+    caught = sum(bool(forged & set(rng.sample(range(n), k))) for _ in range(trials)) / trials
+    assert abs(caught - detection_probability(n, k, 0.25)) < 0.01
+    assert rows_to_verify(n, 0.25, 0.99, rows=5) == 5 and rows_to_verify(4, 0.25, 0.99, rows=9) == 4
+
+
+def test_seeded_sampling_does_not_depend_on_chunking(tmp_path, tokenizer_dir):
+    run = prompt_run(tmp_path, tokenizer_dir, holdout=0.0)
+    model, tokenizer = loaded(run, tmp_path)
+    records = read_prompts(run, "rl", "p00")[:4]
+    seed = batch_seed("ab" * 16, "w", "", 0)
+    u = row_uniforms(seed, 32, 8)
+    assert u.dtype == torch.float32 and 0 <= float(u.min()) and float(u.max()) < 1
+    torch.manual_seed(1)
+    whole = complete(model, records, 8, tokenizer, max_new_tokens=8, temperature=1.0, chunk=32, uniforms=u)
+    torch.manual_seed(2)  # torch's generator plays no part
+    by_group = complete(model, records, 8, tokenizer, max_new_tokens=8, temperature=1.0, chunk=8, uniforms=u)
+    by_row = complete(model, records, 8, tokenizer, max_new_tokens=8, temperature=1.0, chunk=4, uniforms=u)
+    assert whole == by_group == by_row
+    other = complete(model, records, 8, tokenizer, max_new_tokens=8, temperature=1.0, chunk=32, uniforms=row_uniforms(batch_seed("ab" * 16, "w", "", 1), 32, 8))
+    assert other != whole
+    assert pick_prompts(seed, 4, 100) == pick_prompts(seed, 4, 100) != pick_prompts(batch_seed("ab" * 16, "w", "", 1), 4, 100)
+
+
+def source(run, tmp_path, *extra):
+    model, tokenizer = loaded(run, tmp_path)
+    return StoreRollouts(run, "p00", "rl", settings(*extra), read_prompts(run, "rl", "p00"), [load_reward(REWARD)], tokenizer, lambda: loaded(run, tmp_path)[0])
+
+
+def test_a_row_is_never_learned_twice_and_malformed_rows_are_refused(tmp_path, tokenizer_dir):
+    run = prompt_run(tmp_path, tokenizer_dir, holdout=0.0)
+    start(run, tmp_path)
+    key = keyed(run, tmp_path, "w")
+    worker(run, 1, key)
+    src = source(run, tmp_path, "verify_rows=32")
+    k = run.store.list("rollouts/p00/batches/w")[0].key
+    batch = decode(run.store.read(k), k, 1 << 30)
+    record = json.loads(run.store.read("policy/p00/v00000000/policy.json"))
+    seen: set[str] = set()
+    verified = src.verifier.verify(batch, record, seen.__contains__)
+    assert verified.check.rows == 32 and verified.check.positions == sum(len(c) for c in batch.completion_ids) and verified.check.near == 0
+    seen.update(verified.rows)
+    with pytest.raises(Rejected, match="replay"):
+        src.verifier.verify(batch, record, seen.__contains__)
+    eos = src.tokenizer.eos_token_id
+    for change, reason in [(lambda c: c.__setitem__(slice(None), [c[0], eos, c[0], eos]), "goes on after EOS"),
+                           (lambda c: c.__setitem__(slice(None), [c[0]]) if c[0] != eos else c.__setitem__(slice(None), [5]), "without EOS")]:
+        bad = [list(c) for c in batch.completion_ids]
+        change(bad[3])
+        forged = decode(encode(bad, batch.behaviour_logp_NC, batch.meta, key), k, 1 << 30)
+        with pytest.raises(Rejected, match=reason):
+            src.verifier.verify(forged, record, lambda h: False)
+
+
+def test_a_trainer_takes_only_the_dtypes_it_allows(tmp_path, tokenizer_dir):
+    run = prompt_run(tmp_path, tokenizer_dir, holdout=0.0)
+    start(run, tmp_path)
+    worker(run, 1, keyed(run, tmp_path, "w"), dtype="int8")
+    k = run.store.list("rollouts/p00/batches/w")[0].key
+    batch = decode(run.store.read(k), k, 1 << 30)
+    record = json.loads(run.store.read("policy/p00/v00000000/policy.json"))
+    assert source(run, tmp_path, "rollout_dtypes=fp32,int8").verifier.verify(batch, record, lambda h: False).check.rows == 13
+    with pytest.raises(Rejected, match="this trainer takes fp32,bf16"):  # int8 is loosely checked: taken only when asked for
+        source(run, tmp_path).verifier.verify(batch, record, lambda h: False)
+    with pytest.raises(Exception, match="rollout_dtypes must be"):
+        settings("rollout_dtypes=fp64")
