@@ -16,10 +16,10 @@ $(PY):
 
 # torch first, from the CPU wheel on disk: a bare `torch` requirement would pull a CUDA build.
 # The constraint pins whatever torch is there so installing the project never replaces it.
-$(VENV)/.installed: pyproject.toml | $(PY)
+$(VENV)/.installed: pyproject.toml examples/environments/pyproject.toml | $(PY)
 	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
 	@$(PY) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > $(VENV)/constraints.txt
-	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e '.[dev,math,eval,tensorboard]'
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e '.[dev,math,eval,tensorboard,envs]' -e examples/environments
 	@touch $@
 
 install: $(VENV)/.installed

@@ -81,13 +81,18 @@ def compose(run: str, into: str, name: str, select: str | None, outer_lr: float,
 
 @click.command("eval")
 @run_arg
-@click.option("--dataset", required=True, help="A dataset written by `paths shard` (documents: perplexity; prompts: answer accuracy).")
+@click.option("--dataset", required=True, help="A dataset written by `paths shard` (documents: perplexity; prompts: mean reward, per task for environments).")
 @click.option("--model", "models", multiple=True, help="base, path:ID, expert:NAME, composed:NAME (an MoE or an ensemble) or hf:DIR; repeatable (default: base and every composed model).")
 @click.option("--split", type=click.Choice(["heldout", "train"]), default="heldout", show_default=True)
 @click.option("--seq-len", default=256, show_default=True, help="Window length for perplexity.")
 @click.option("--max-tokens", default=50_000, show_default=True, help="Tokens scored per path shard at most.")
+@click.option("--reward", "rewards", multiple=True, metavar="SPEC[=W]", help="Prompts: rewards to score with (default: the dataset's environments, else math_answer).")
+@click.option("--samples", default=1, show_default=True, help="Prompts: also sample K completions at temperature 1 per prompt and report pass@K per task.")
+@click.option("--max-new-tokens", default=32, show_default=True, help="Prompts: tokens per completion (per episode, for a multi-turn environment).")
+@click.option("--pass-threshold", default=0.5, show_default=True, help="Prompts: a completion passes when its reward is at least this.")
 @click.option("--json", "json_out", is_flag=True)
-def evaluate(run: str, dataset: str, models: tuple[str, ...], split: str, seq_len: int, max_tokens: int, json_out: bool) -> None:
+def evaluate(run: str, dataset: str, models: tuple[str, ...], split: str, seq_len: int, max_tokens: int, rewards: tuple[str, ...], samples: int, max_new_tokens: int,
+             pass_threshold: float, json_out: bool) -> None:
     """Score models on every path shard of a dataset; a table here, JSON in eval/ of the run."""
     from cli.render import as_json, render_eval
     from compose.evaluate import evaluate as do
@@ -96,7 +101,8 @@ def evaluate(run: str, dataset: str, models: tuple[str, ...], split: str, seq_le
     from paths.units import default_eval_models
 
     r = open_run(run)
-    result = do(r, dataset, list(models) or default_eval_models(r), split=split, seq_len=seq_len, max_tokens=max_tokens)
+    result = do(r, dataset, list(models) or default_eval_models(r), split=split, seq_len=seq_len, max_tokens=max_tokens, rewards=list(rewards), samples=samples,
+                max_new_tokens=max_new_tokens, pass_threshold=pass_threshold)
     click.echo(as_json(result) if json_out else render_eval(result))
 
 

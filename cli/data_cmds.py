@@ -28,9 +28,11 @@ def _fields_options(f: Any):
 @click.command("shard")
 @run_arg
 @click.option("--dataset", required=True, help="Dataset name: data/NAME/ in the run.")
-@click.option("--input", "inputs", required=True, multiple=True, help="File, glob or URL (s3://, gzip/zstd JSONL included); repeatable.")
+@click.option("--input", "inputs", required=True, multiple=True, help="File, glob or URL (s3://, gzip/zstd JSONL included), or an environment (verifiers:MODULE, reasoning-gym:TASK); repeatable.")
 @_fields_options
 @click.option("--answer-field", help="Record field with the answer (--kind prompts; default 'answer').")
+@click.option("--system-prompt", help="Prompts: a system message put first; every prompt is then rendered with the chat template.")
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False), help="Prompts: a Jinja chat template file, instead of the run tokenizer's own.")
 @click.option("--kind", type=click.Choice(["documents", "prompts"]), default="documents", show_default=True, help="documents: token streams for lm; prompts: prompt + answer per path for RL.")
 @click.option("--router", type=click.Choice(["hash", "domain", "moe", "kmeans"]), default="hash", show_default=True)
 @click.option("--targets", type=click.Choice(["paths", "domains"]), default="paths", show_default=True, help="domains (with --router domain): one shard per registered expert domain, read by every expert of that domain.")
@@ -47,8 +49,12 @@ def _fields_options(f: Any):
 @click.option("--seed", default=0, show_default=True, help="Seed of the k-means fit.")
 @click.option("--overwrite", is_flag=True, help="Replace a dataset (and the router it made) written with other options.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest's summary as JSON.")
-def shard(run: str, dataset: str, inputs: tuple[str, ...], fmt: str, text_field: str, id_field: str | None, domain_field: str | None, on_error: str, answer_field: str | None, kind: str, router: str, targets: str, router_name: str | None, domain_map: str | None, features_model: str | None, prefix_tokens: int, fit_sample: int, balance, slack: float, holdout: float, workers: int, limit: int | None, seed: int, overwrite: bool, as_json: bool) -> None:
-    """Route documents to paths and write data/DATASET/<path>.zarr, manifest last."""
+def shard(run: str, dataset: str, inputs: tuple[str, ...], fmt: str, text_field: str, id_field: str | None, domain_field: str | None, on_error: str, answer_field: str | None,
+          system_prompt: str | None, chat_template: str | None, kind: str, router: str, targets: str, router_name: str | None, domain_map: str | None, features_model: str | None, prefix_tokens: int, fit_sample: int, balance, slack: float, holdout: float, workers: int, limit: int | None, seed: int, overwrite: bool, as_json: bool) -> None:
+    """Route documents (or prompts) to paths and write data/DATASET/<path>.zarr, manifest last.
+
+    --input also takes environments: verifiers:MODULE[:k=v,...] or reasoning-gym:TASK[:k=v,...]
+    (with --kind prompts): their train rows, and their eval rows as the held-out split."""
     from sharding.shard import ShardOptions
     from sharding.shard import shard as do
     from storage.layout import open_run
@@ -57,7 +63,8 @@ def shard(run: str, dataset: str, inputs: tuple[str, ...], fmt: str, text_field:
         dataset=dataset, inputs=list(inputs), format=fmt, text_field=text_field, id_field=id_field,
         domain_field=domain_field, answer_field=answer_field, kind=kind, router=router, targets=targets, router_name=router_name,
         domain_map=domain_map, features_model=features_model, prefix_tokens=prefix_tokens, fit_sample=fit_sample,
-        balance=balance, slack=slack, holdout=holdout, limit=limit, on_error=on_error, seed=seed,
+        balance=balance, slack=slack, holdout=holdout, limit=limit, on_error=on_error, seed=seed, system_prompt=system_prompt,
+        chat_template=open(chat_template).read() if chat_template else None,
     )
     with _Progress() as progress:
         manifest = do(open_run(run), opts, overwrite=overwrite, workers=workers, progress=progress)

@@ -174,7 +174,15 @@ def render_eval(result: dict[str, Any]) -> str:
     rows = [[model] + [f"{row[c]:.3f}" for c in cols] for model, row in result["table"].items()]
     cols = [result.get("labels", {}).get(c, c) for c in cols]  # domain:path where the data was routed by domain
     head = f"{result['metric']} on {result['dataset']} ({result['split']}; lower is better)" if result["metric"] == "perplexity" else f"{result['metric']} on {result['dataset']} ({result['split']})"
-    return head + "\n" + table(["model"] + cols, rows)
+    out = head + "\n" + table(["model"] + cols, rows)
+    if tasks := result.get("tasks"):  # per task: mean reward (and pass@k)
+        k = result.get("samples", 1)
+        names = sorted({t for per in tasks.values() for t in per})
+        heads = [f"{t} reward" for t in names] + ([f"{t} pass@{k}" for t in names] if k > 1 else [])
+        rows = [[model] + [f"{per[t]['reward']:.3f}" if t in per else "-" for t in names] + ([f"{per[t][f'pass@{k}']:.3f}" if t in per else "-" for t in names] if k > 1 else [])
+                for model, per in tasks.items()]
+        out += "\nper task (greedy reward" + (f"; pass@{k} at temperature 1, threshold {result['pass_threshold']}" if k > 1 else "") + ")\n" + table(["model"] + heads, rows)
+    return out
 
 
 def render_compose_plan(plan: dict[str, Any]) -> str:

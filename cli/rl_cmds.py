@@ -13,7 +13,7 @@ import click
 @click.option("--split", type=click.Choice(["train", "heldout"]), default="train", show_default=True)
 @click.option("--n", "n", default=8, show_default=True, help="Completions sampled per prompt.")
 @click.option("--keep", default=1, show_default=True, help="Distinct accepted completions kept per prompt.")
-@click.option("--reward", "rewards", multiple=True, metavar="SPEC[=W]", help="Verifiers, as for paths train --mode grpo (default math_answer).")
+@click.option("--reward", "rewards", multiple=True, metavar="SPEC[=W]", help="Verifiers, as for paths train --mode grpo (default: the dataset's environments, else math_answer).")
 @click.option("--min-reward", default=1.0, show_default=True, help="A completion is kept when its weighted reward reaches this.")
 @click.option("--max-new-tokens", default=32, show_default=True)
 @click.option("--temperature", default=1.0, show_default=True)
@@ -43,7 +43,7 @@ def rejection_sample(run: str, model_spec: str, dataset: str, shard: str | None,
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "int8"]), default="fp32", show_default=True, help="Sample in this precision; int8: dynamically quantized linear layers (QuaRL).")
 @click.option("--batches", default=1, show_default=True, help="Rollout batches to write, then stop.")
 @click.option("--wait", default=600.0, show_default=True, help="Seconds to wait for the trainer's first policy version.")
-@click.option("--reward", "rewards", multiple=True, metavar="SPEC[=W]", help="Verifiers, as the trainer's (it recomputes them anyway; default math_answer).")
+@click.option("--reward", "rewards", multiple=True, metavar="SPEC[=W]", help="Verifiers, as the trainer's (it recomputes them anyway; default: the dataset's environments, else math_answer).")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="A TOML like configs/train/grpo.toml (batch_size, group_size, max_new_tokens, temperature).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override one setting (repeatable): must match the trainer's batch_size, group_size, temperature, top_p.")
 @click.option("--no-progress", is_flag=True)
@@ -56,14 +56,14 @@ def rollout(run: str, path_id: str, dataset: str, worker: str | None, key_file: 
     import os
 
     from paths.train_config import load_config
-    from paths.work.rewards import load_reward
+    from paths.work.rewards import dataset_rewards
     from paths.work.rollouts import load_key, rollout_worker
     from paths.work.rollouts.keys import default_key_file
     from storage.layout import open_run
 
     cfg = load_config(config_file, sets, mode="grpo")
     key = load_key(key_file) if key_file else load_key(default_key_file()) if os.path.exists(default_key_file()) else None
-    reward_fns = [load_reward(r) for r in rewards or ["math_answer"]]
+    reward_fns = dataset_rewards(open_run(run), dataset, list(rewards))
     bar = tqdm(total=batches, desc=f"rollout {path_id} ({worker or 'worker'}, {dtype})", disable=no_progress)
 
     def shown(b: dict) -> None:

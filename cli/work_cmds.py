@@ -57,7 +57,7 @@ def claim(run: str, path_id: str | None, ttl: float, worker: str | None) -> None
 @click.option("--no-progress", is_flag=True, help="No progress bar (metrics still go to work/<path>/metrics.jsonl).")
 @click.option("--init", "init", type=click.Choice(["base", "final"]), default="base", show_default=True, help="Start from the path cut from base/, or from its work/<path>/final/ (e.g. grpo after lm).")
 @click.option("--freeze", type=click.Choice(["none", "shared"]), help="shared: train only the path's experts; attention, embeddings, norms, head stay the base's (FlexOlmo).")
-@click.option("--reward", "rewards", multiple=True, metavar="SPEC[=W]", help="grpo: math_answer, format, length_penalty or module:function, optional weight; repeatable (default math_answer).")
+@click.option("--reward", "rewards", multiple=True, metavar="SPEC[=W]", help="grpo: math_answer, format, length_penalty, module:function, reasoning-gym:TASK, verifiers:MODULE or env, optional weight; repeatable (default: the dataset's environments, else math_answer).")
 @click.option("--group-size", type=int, help="grpo: completions per prompt (>= 2).")
 @click.option("--max-new-tokens", type=int, help="grpo: completion length limit.")
 @click.option("--temperature", type=float, help="grpo: sampling temperature.")

@@ -3,7 +3,8 @@
 With no `--tokenizer`, `paths init` trains a byte-level BPE (the `tokenizers` library) on text that
 every machine with Python has: the standard library's top-level `.py` sources (~4.7 MB of code and
 English docstrings), read in sorted order, so the same Python gives the same tokenizer. Special
-tokens: `<pad>` = 0, `<s>` = 1 (BOS), `</s>` = 2 (EOS), matching the presets' token ids.
+tokens: `<pad>` = 0, `<s>` = 1 (BOS), `</s>` = 2 (EOS), matching the presets' token ids. It carries
+a minimal chat template (`paths.envs.chat.MINIMAL_TEMPLATE`), so chat prompts need no download.
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ def train_bpe(vocab_size: int, files: list[str] | None = None):
         show_progress=False,
     )
     tok.train(files or local_corpus(), trainer)
+    from paths.envs.chat import MINIMAL_TEMPLATE
+
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token=None
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token=None, chat_template=MINIMAL_TEMPLATE
     )
 
 

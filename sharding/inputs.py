@@ -33,6 +33,9 @@ class Record:
     domain: str | None = None
     answer: str | None = None
     extra: str | None = None  # Fields.rest: the row's other fields as one compact JSON object
+    messages: list[dict[str, Any]] | None = None  # a chat prompt: rendered with the chat template when tokenized
+    heldout: bool | None = None  # an environment's eval split: held out whatever the hash says
+    answer_messages: list[dict[str, Any]] | None = None  # a chat completion: rendered after the prompt, as the answer text
 
 
 @dataclass(slots=True)
@@ -72,8 +75,13 @@ def expand(patterns: list[str], storage_options: dict[str, Any] | None = None) -
     nothing is an error that names it."""
     if not patterns:
         raise ConfigurationError("no --input given: pass one or more files, globs or URLs, e.g. --input 'data/*.jsonl'")
+    from paths.envs.spec import is_env, parse
+
     found: set[str] = set()
     for pattern in patterns:
+        if is_env(pattern):  # an environment is its own input: its rows are generated, not read
+            found.add(parse(pattern).text)
+            continue
         fs, _, paths = fsspec.get_fs_token_paths(pattern, storage_options=storage_options or {})
         files = [p for p in paths if not fs.isdir(p)]
         if not files:
@@ -108,9 +116,15 @@ def read_records(
 ) -> Iterator[Record]:
     """The usable records of one file; bad ones raise DataError naming file and line, or are
     skipped and counted with `on_error='skip'`. Empty documents are always skipped and counted."""
+    from paths.envs.spec import is_env
+
     kind, compression = detect_format(url, fmt)
     opener = fsspec.open(url, "rb", compression=compression, **(storage_options or {}))
-    if kind == "jsonl":
+    if is_env(url):
+        from paths.envs.sources import env_rows
+
+        rows = env_rows(url)
+    elif kind == "jsonl":
         rows = _jsonl_rows(url, opener, on_error, stats)
     elif kind == "parquet":
         rows = _parquet_rows(url, opener, fields)
@@ -192,28 +206,43 @@ def _text_rows(url: str, opener: Any, on_error: OnError, stats: ReadStats) -> It
 
 
 def _to_record(where: str, row: dict, fields: Fields, on_error: OnError, stats: ReadStats) -> Record | None:
-    text_field = "text" if row.get("_text_file") else fields.text
+    env = "_split" in row  # an environment's row: its fields have fixed names
+    text_field = "text" if row.get("_text_file") else "prompt" if env else fields.text
     text = row.get(text_field)
+    messages = None
+    if isinstance(text, list) and fields.rest:  # a chat prompt: a list of messages
+        from paths.envs.chat import check_messages
+
+        messages = check_messages(text, f"{where} field {text_field!r}")
+        text = "\n".join(str(m.get("content") or "") for m in messages)  # routers and ids see the words; the tokens come from the template
     if not isinstance(text, str):
         what = "has no" if text is None else "has a non-string"
         keys = ", ".join(list(row)[:8])
         _bad("missing_field", f"{where} {what} text field {text_field!r} (fields: {keys}); pass --text-field", on_error, stats, where)
         return None
-    doc_id = str(row[fields.id]) if fields.id and row.get(fields.id) is not None else (row.get("id") if row.get("_text_file") else None)
+    doc_id = str(row[fields.id]) if fields.id and row.get(fields.id) is not None else (row.get("id") if row.get("_text_file") or env else None)
     extra: dict[str, str | None] = {}
-    for kind, name in (("domain", fields.domain), ("answer", fields.answer)):
+    answer_messages = None
+    for kind, name in (("domain", fields.domain), ("answer", "answer" if env else fields.answer)):
         value = row.get(name) if name else None
+        if kind == "answer" and isinstance(value, list) and messages is not None:  # a chat completion (TRL's conversational SFT form)
+            from paths.envs.chat import check_messages
+
+            answer_messages, value = check_messages(value, f"{where} field {name!r}"), ""
         if name and value is None:
             _bad("missing_field", f"{where} has no {kind} field {name!r}; pass --{kind}-field", on_error, stats, where)
             return None
         extra[kind] = None if value is None else str(value)
     rest = None
     if fields.rest and not row.get("_text_file"):
-        kept = {k: v for k, v in row.items() if k not in (text_field, fields.answer)}
+        kept = {k: v for k, v in row.items() if k not in (text_field, "answer" if env else fields.answer, "_split")}
+        if messages is not None:
+            kept["messages"] = messages  # what chat rewards (verifiers rubrics) see as the prompt
         if doc_id is not None and fields.id:
             kept["id"] = doc_id  # the --id-field value, as the dataset's id
         rest = json.dumps(kept, ensure_ascii=False, separators=(",", ":"), default=_as_text) if kept else None
-    return Record(text=text, id=doc_id or "", extra=rest, **extra)
+    heldout = None if "_split" not in row else row["_split"] == "heldout"
+    return Record(text=text, id=doc_id or "", extra=rest, messages=messages, heldout=heldout, answer_messages=answer_messages, **extra)
 
 
 def _as_text(value: Any) -> str:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import numpy as np
 
-from paths.errors import ConfigurationError
+from paths.errors import ConfigurationError, DataError
 from sharding import balance
 from sharding.inputs import Fields, Format, OnError, ReadStats, Record, expand, read_records
 from sharding.routers import Doc, Router, load_router, make_router, save_router, stable_hash
@@ -74,6 +74,8 @@ class ShardOptions:
     limit: int | None = None
     on_error: OnError = "fail"
     seed: int = 0
+    system_prompt: str | None = None  # prompts: a system message first (plain-text prompts become chat prompts)
+    chat_template: str | None = None  # prompts: a Jinja chat template instead of the tokenizer's
     chunk_tokens: int = 1 << 20
     shard_tokens: int = 16 << 20
 
@@ -139,6 +141,7 @@ def shard(run: Run, opts: ShardOptions, *, overwrite: bool = False, workers: int
     else:
         plan, path_ids = decomposed_paths(run)
     files = expand(opts.inputs, storage_options)
+    _check_environments(files)
     tokenizer, tok_hash = run_tokenizer(run)
     fingerprint = _fingerprint(opts, files, tok_hash, plan.to_json() if plan else None, path_ids, storage_options)
     done = _existing(run, opts.dataset, fingerprint, overwrite)
@@ -150,6 +153,16 @@ def shard(run: Run, opts: ShardOptions, *, overwrite: bool = False, workers: int
     return _consolidate(run, opts, router, staged, fingerprint, path_ids, progress)
 
 
+def _check_environments(files: list[str]) -> None:
+    from paths.envs.spec import is_env
+
+    if envs := [f for f in files if is_env(f)]:
+        from paths.envs.sources import check_env
+
+        for text in envs:
+            check_env(text)
+
+
 # -- options and what exists ---------------------------------------------------------------------
 def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, indent=2, sort_keys=True).encode() + b"\n"
@@ -158,14 +171,19 @@ def _dumps(obj: Any) -> bytes:
 def _fingerprint(opts: ShardOptions, files: list[str], tok_hash: str, plan: dict, path_ids: list[str], storage_options: dict | None) -> dict[str, Any]:
     import fsspec
 
-    sizes = []
+    from paths.envs.spec import is_env, parse
+
+    entries = []
     for url in files:
+        if is_env(url):  # an environment: what makes its rows is the package version, not a file size
+            entries.append({"url": url, "bytes": 0, "environment": parse(url).provenance()})
+            continue
         fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-        sizes.append(int(fs.size(path)))
+        entries.append({"url": url, "bytes": int(fs.size(path))})
     body = {
         "format_version": opts.format_version,
         "options": dataclasses.asdict(opts) | {"inputs": sorted(opts.inputs)},
-        "files": [{"url": u, "bytes": s} for u, s in zip(files, sizes)],
+        "files": entries,
         "tokenizer": tok_hash,
         "plan": plan,
         "paths": path_ids,
@@ -229,7 +247,7 @@ def _router(run: Run, opts: ShardOptions, plan: Plan, path_ids: list[str], files
         if opts.router == "domain":  # every domain must be known: scan the field, no tokenizing
             sample = [Doc(r, []) for r in _records(opts, files, storage_options, None)]
         else:
-            sample = _tokenized(_records(opts, files, storage_options, opts.fit_sample), tokenizer, opts.kind)
+            sample = _tokenized(_records(opts, files, storage_options, opts.fit_sample), tokenizer, opts)
         router.fit(sample, run)
     save_router(run, name, router, {"dataset": opts.dataset, "fit": _fit_key(opts), "at": time.time()})
     return router
@@ -251,19 +269,47 @@ def _records(opts: ShardOptions, files: list[str], storage_options: dict[str, An
             yield record
 
 
-def _tokenized(records: list[dict[str, Any]], tokenizer: Any, kind: Kind, batch: int = 1024) -> list[Doc]:
+def _render_chat(records: list[Record], tokenizer: Any, opts: ShardOptions) -> None:
+    from paths.envs.chat import render, template_of, with_system
+
+    for r in records:
+        if r.messages is None and not opts.system_prompt:
+            continue
+        messages = with_system(r.messages or [{"role": "user", "content": r.text}], opts.system_prompt)
+        template = template_of(tokenizer, opts.chat_template, f"dataset {opts.dataset!r}")
+        tools = (json.loads(r.extra).get("tools") if r.extra else None) or None  # an environment's tools, described as the template does
+        r.text = render(tokenizer, messages, template, tools)
+        if r.answer_messages:  # the completion as the template writes it after the prompt, up to its last EOS (SFT adds that)
+            whole = render(tokenizer, messages + r.answer_messages, template, tools, generation=False)
+            if not whole.startswith(r.text):
+                raise DataError(f"dataset {opts.dataset!r}: record {r.id or '?'}: the chat template renders the prompt differently once the completion follows: use an append-only template")
+            completion = whole[len(r.text) :]
+            eos = tokenizer.eos_token if isinstance(tokenizer.eos_token, str) else ""
+            r.answer = completion[: completion.rfind(eos)] if eos and eos in completion else completion
+        if r.messages is None or messages is not r.messages:  # the rewards see the messages the model was shown
+            extra = json.loads(r.extra) if r.extra else {}
+            r.extra = json.dumps({**extra, "messages": messages}, ensure_ascii=False, separators=(",", ":"))
+        r.messages = messages
+
+
+def _tokenized(records: list[dict[str, Any]], tokenizer: Any, opts: ShardOptions, batch: int = 1024) -> list[Doc]:
     out: list[Doc] = []
     chunk: list[Record] = []
     for record in records:
         chunk.append(record)
         if len(chunk) == batch:
-            out += _encode(chunk, tokenizer, kind)
+            out += _encode(chunk, tokenizer, opts)
             chunk = []
-    return out + (_encode(chunk, tokenizer, kind) if chunk else [])
+    return out + (_encode(chunk, tokenizer, opts) if chunk else [])
 
 
-def _encode(records: list[Record], tokenizer: Any, kind: Kind) -> list[Doc]:
-    """Batched fast tokenization; documents end in EOS, prompts do not (generation follows)."""
+def _encode(records: list[Record], tokenizer: Any, opts: ShardOptions | Kind) -> list[Doc]:
+    """Batched fast tokenization; documents end in EOS, prompts do not (generation follows). Chat
+    prompts (and, with a system prompt, every prompt) are rendered with the chat template first and
+    the rendering becomes the record's text: what the model is shown."""
+    kind = opts if isinstance(opts, str) else opts.kind
+    if kind == "prompts" and not isinstance(opts, str):
+        _render_chat(records, tokenizer, opts)
     ids = tokenizer([r.text for r in records], add_special_tokens=False)["input_ids"]
     eos = [tokenizer.eos_token_id] if kind == "documents" else []
     return [Doc(r, i + eos) for r, i in zip(records, ids)]
@@ -317,10 +363,10 @@ def stage_file(run: Run, opts: ShardOptions, router: Router, files: list[str], i
             if cap is not None and len(docs) + len(batch) >= cap:
                 break
             if len(batch) == 1024:
-                docs += _encode(batch, tokenizer, opts.kind)
+                docs += _encode(batch, tokenizer, opts)
                 progress("docs", len(batch))
                 batch = []
-        docs += _encode(batch, tokenizer, opts.kind)
+        docs += _encode(batch, tokenizer, opts)
         progress("docs", len(batch))
     if opts.targets == "domains":  # documents of a domain no expert trains on are left out, and counted
         known = set(router.paths)
@@ -358,7 +404,8 @@ def _part_arrays(docs: list[Doc], opts: ShardOptions, router: Router, run: Run) 
     else:
         scores = np.zeros((0, len(router.paths)), np.float32)
     arrays["prefs"], arrays["pref_scores"] = balance.top_k(scores, TOP_K)
-    arrays["heldout"] = np.array([stable_hash("heldout\0" + d.key) / 2.0**64 < opts.holdout for d in docs], dtype=np.uint8)
+    arrays["heldout"] = np.array([d.record.heldout if d.record.heldout is not None else stable_hash("heldout\0" + d.key) / 2.0**64 < opts.holdout
+                                  for d in docs], dtype=np.uint8)
     if opts.kind == "prompts":
         arrays["prompt"], arrays["prompt_len"] = _flat_text([d.record.text for d in docs])
         arrays["answer"], arrays["answer_len"] = _flat_text([d.record.answer or "" for d in docs])
@@ -425,6 +472,7 @@ def _consolidate(run: Run, opts: ShardOptions, router: Router, keys: list[str], 
             tokenizer=fingerprint["tokenizer"], inputs=inputs, paths=per_path, documents=docs,
             tokens=sum(c["train_tokens"] + c["heldout_tokens"] for c in per_path.values()),
             capacity=balance.capacity(docs, len(path_ids), opts.slack) if opts.balanced and docs else None,
+            environments=[f["environment"] for f in fingerprint["files"] if "environment" in f],
         )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -114,6 +114,8 @@ class Samples:
     texts: list[str]
     rewards: list[float]  # weighted sum of the rewards (plus the overlong penalty)
     reward_means: dict[str, float]
+    model_masks: list[list[int]] | None = None  # episodes: 1 where the model sampled the token, 0 for the environment's (context only)
+    logprobs: list[list[float]] | None = None  # episodes: the sampler's log-prob of each token (0 for the environment's)
 
     def group_signal(self, group: int, masked_truncated: bool = False) -> list[bool]:
         """Per group: do its rewards differ, and (when cut completions leave the loss) does any of
@@ -123,8 +125,9 @@ class Samples:
 
     def select(self, groups: list[int], group: int) -> "Samples":
         rows = [g * group + k for g in groups for k in range(group)]
-        pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
-        return Samples([self.records[g] for g in groups], pick(self.completion_ids), pick(self.truncated), pick(self.texts), pick(self.rewards), self.reward_means)
+        pick = lambda xs: None if xs is None else [xs[i] for i in rows]  # noqa: E731
+        return Samples([self.records[g] for g in groups], pick(self.completion_ids), pick(self.truncated), pick(self.texts), pick(self.rewards), self.reward_means,
+                       pick(self.model_masks), pick(self.logprobs))
 
     @staticmethod
     def concat(parts: list["Samples"]) -> "Samples":
@@ -132,8 +135,10 @@ class Samples:
         for p in parts:
             for k, v in p.reward_means.items():
                 means.setdefault(k, []).append(v)
+        joined = lambda name: None if any(getattr(p, name) is None for p in parts) else [x for p in parts for x in getattr(p, name)]  # noqa: E731
         return Samples([r for p in parts for r in p.records], [c for p in parts for c in p.completion_ids], [t for p in parts for t in p.truncated],
-                       [t for p in parts for t in p.texts], [r for p in parts for r in p.rewards], {k: sum(v) / len(v) for k, v in means.items()})
+                       [t for p in parts for t in p.texts], [r for p in parts for r in p.rewards], {k: sum(v) / len(v) for k, v in means.items()},
+                       joined("model_masks"), joined("logprobs"))
 
 
 def sample_and_score(model: torch.nn.Module, records: list[dict[str, Any]], rewards: list[Reward], cfg: TrainConfig, tokenizer: Any) -> Samples:
@@ -153,7 +158,23 @@ def score_samples(records: list[dict[str, Any]], completion_ids: list[list[int]]
         penalty = overlong_penalty([len(c) for c in completion_ids], cfg.max_new_tokens, cfg.overlong_buffer)
         values = [v + p for v, p in zip(values, penalty)]
         means["overlong_penalty"] = sum(penalty) / len(penalty)
+    means.update(source_means(records, cfg.group_size, values, completion_ids, truncated))
     return Samples(records, completion_ids, truncated, texts, values, means)
+
+
+def source_means(records: list[dict[str, Any]], group: int, values: list[float], completion_ids: list[list[int]], truncated: list[bool]) -> dict[str, float]:
+    """A mixture's metrics per source (the environment each prompt came from): reward, length, truncation."""
+    sources = [r.get("env") for r in records for _ in range(group)]
+    if len(set(sources)) < 2:
+        return {}
+    out = {}
+    for source in sorted({s for s in sources if s}):
+        rows = [i for i, s in enumerate(sources) if s == source]
+        out[f"source/{source}/reward"] = sum(values[i] for i in rows) / len(rows)
+        out[f"source/{source}/length"] = sum(len(completion_ids[i]) for i in rows) / len(rows)
+        out[f"source/{source}/truncated"] = sum(truncated[i] for i in rows) / len(rows)
+        out[f"source/{source}/share"] = len(rows) / len(sources)
+    return out
 
 
 # -- rollouts ---------------------------------------------------------------------------------------
@@ -189,6 +210,14 @@ def pack(records: list[dict[str, Any]], completion_ids: list[list[int]], group: 
         comp[i, : len(c)] = torch.tensor(c, dtype=torch.long)
         cmask[i, : len(c)] = 1
     return torch.cat([prompt, comp], 1).to(device), torch.cat([pmask, cmask], 1).to(device), prompt.shape[1], cmask.to(device)
+
+
+def pad_rows(rows: list[list[int]], width: int, device: torch.device) -> torch.Tensor:
+    """Per-completion 0/1 lists as an (N, width) long tensor, right-padded with 0."""
+    out = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return out.to(device)
 
 
 def completion_logits(model: torch.nn.Module, ids_NT: torch.Tensor, attention_NT: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -227,6 +256,8 @@ def to_rollout(samples: Samples, model: torch.nn.Module, ref_model: torch.nn.Mod
     rewards = torch.tensor(samples.rewards, dtype=torch.float32, device=device)
     truncated = torch.tensor(samples.truncated, dtype=torch.bool, device=device)
     loss_mask = cmask * (~truncated).long().unsqueeze(1) if cfg.overlong == "mask" else cmask
+    if samples.model_masks is not None:  # an episode's environment tokens are context: out of the loss
+        loss_mask = loss_mask * pad_rows(samples.model_masks, cmask.shape[1], device)
     rows = cfg.batch_size * cfg.group_size
     old = logprobs_in_chunks(model, ids, attention, p, cfg.temperature, rows) if cfg.iterations > 1 else None
     ref = logprobs_in_chunks(ref_model, ids, attention, p, cfg.temperature, rows) if ref_model is not None else None
@@ -284,7 +315,7 @@ def grpo_backward(model: torch.nn.Module, acc: Any, ro: Rollout, cfg: TrainConfi
         "entropy": ent_sum / max(1, tokens), "kl": kl_sum / max(1, tokens), "clip_fraction": (low + high) / max(1, tokens),
         "clip_low": low / max(1, tokens), "clip_high": high / max(1, tokens), "completions_per_s": n / max(1e-9, ro.seconds),
         **({"mismatch_masked": masked / max(1, tokens)} if ro.behaviour_logp_NC is not None else {}),
-        **ro.stats, **{f"reward/{k}": v for k, v in ro.reward_means.items()},
+        **ro.stats, **{(k if k.startswith(("source/", "episode/")) else f"reward/{k}"): v for k, v in ro.reward_means.items()},
     }
 
 
@@ -292,8 +323,10 @@ class GRPOStep:
     """The `paths train --mode grpo` step: a rollout every `iterations` optimizer steps; with
     `dynamic_sampling`, prompts are drawn until `grad_accum x batch_size` groups have signal."""
 
-    def __init__(self, cfg: TrainConfig, records: list[dict[str, Any]], rewards: list[Reward], tokenizer: Any, ref_model: torch.nn.Module | None = None, dataset: str = "?"):
+    def __init__(self, cfg: TrainConfig, records: list[dict[str, Any]], rewards: list[Reward], tokenizer: Any, ref_model: torch.nn.Module | None = None, dataset: str = "?",
+                 sampler: Any = None):
         self.cfg, self.records, self.rewards, self.tokenizer, self.ref_model, self.dataset = cfg, records, rewards, tokenizer, ref_model, dataset
+        self.sample = sampler or sample_and_score  # (model, records, rewards, cfg, tokenizer) -> Samples; episodes.EpisodeSampler for multi-turn environments
         self.current: Rollout | None = None
         self.used = 0
         self.ref_ready = False
@@ -319,7 +352,7 @@ class GRPOStep:
         have = drawn = rounds = silent = 0
         while True:
             records = [self.records[int(i)] for _ in range(cfg.grad_accum) for i in next(it)["index"]]
-            samples = sample_and_score(policy, records, self.rewards, cfg, self.tokenizer)
+            samples = self.sample(policy, records, self.rewards, cfg, self.tokenizer)
             rounds, drawn = rounds + 1, drawn + len(records)
             if not cfg.dynamic_sampling:
                 kept, have = [samples], len(records)
@@ -348,12 +381,16 @@ class HeldoutReward(Callback):
     """Every `every` steps, the mean reward of greedy completions of held-out prompts, added to
     that step's metrics record as `heldout_reward` (and each reward's `heldout/<spec>`)."""
 
-    def __init__(self, records: list[dict[str, Any]], rewards: list[Reward], tokenizer: Any, every: int, max_new_tokens: int):
+    def __init__(self, records: list[dict[str, Any]], rewards: list[Reward], tokenizer: Any, every: int, max_new_tokens: int, episodes: Any = None):
         self.records, self.rewards, self.tokenizer, self.every, self.max_new_tokens = records, rewards, tokenizer, every, max_new_tokens
+        self.episodes = episodes  # a multi-turn environment: greedy episodes instead of single completions
 
     def stepped(self, trainer: Any, record: dict[str, Any]) -> None:
         if self.every and self.records and (trainer.step % self.every == 0 or trainer.step == trainer.cfg.steps):
-            scores = evaluate(trainer.unwrapped, self.tokenizer, self.records, self.rewards, self.max_new_tokens)
+            if self.episodes is not None:
+                scores = self.episodes.evaluate(trainer.unwrapped, self.tokenizer, self.records, self.rewards, self.max_new_tokens)
+            else:
+                scores = evaluate(trainer.unwrapped, self.tokenizer, self.records, self.rewards, self.max_new_tokens)
             record["heldout_reward"] = scores["reward"]
             record.update({f"heldout/{k}": v for k, v in scores.items() if k not in ("reward", "prompts")})
 

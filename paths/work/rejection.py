@@ -16,7 +16,7 @@ import torch
 
 from paths.errors import ConfigurationError
 from paths.models import load_model, parse_model
-from paths.work.rewards import load_reward, score
+from paths.work.rewards import dataset_rewards, score
 from paths.work.sampling import check_prompts, complete, record_fields
 from paths.work.tasks import write_jsonl
 from storage.layout import Run
@@ -36,7 +36,7 @@ def rejection_sample(run: Run, model_spec: str, dataset: str, out: str, *, shard
     shard = shard or (ref.name if ref.kind == "path" else None)
     if shard is None:
         raise ConfigurationError(f"--model {model_spec}: say which path shard's prompts to sample with --shard ID")
-    fns = [load_reward(r) for r in (rewards or ["math_answer"])]
+    fns = dataset_rewards(run, dataset, list(rewards or []))  # default: the dataset's environments, else math_answer
     records = read_prompts(run, dataset, shard, split)[:limit]
     if not records:
         raise ConfigurationError(f"dataset {dataset!r} has no {split} prompts for path {shard}: pick another --shard or --split")

@@ -17,7 +17,9 @@ decimals, `a/b`, `\\frac{a}{b}`), `format` (the answer is given where the prompt
 `Answer: <number>`, or `\\boxed{}` when the prompt says so), `length_penalty` (0 up to 200
 characters, then down to -1 at 400), `math_verify` (symbolic equality by Hugging Face's
 math-verify: `\\frac{\\sqrt2}{2}` = `\\sqrt{2}/2`; needs `pip install 'paths[math]'`). A user reward
-is any importable `module:function`. `--reward SPEC[=WEIGHT]` combines several, weighted.
+is any importable `module:function`. `--reward SPEC[=WEIGHT]` combines several, weighted. An
+environment's scorer is a reward too: `reasoning-gym:TASK`, `verifiers:MODULE[:k=v,...]`, or
+`env` (every environment the dataset was sharded from).
 """
 
 from __future__ import annotations
@@ -215,7 +217,16 @@ class Reward:
 
 
 def load_reward(spec: str) -> Reward:
-    """`NAME[=WEIGHT]` (built in) or `module:function[=WEIGHT]`."""
+    """`NAME[=WEIGHT]` (built in), `module:function[=WEIGHT]`, or an environment's own scorer:
+    `reasoning-gym:TASK` (the task's score_answer) or `verifiers:MODULE[:k=v,...]` (its rubric,
+    weighted inside)."""
+    from paths.envs.spec import is_env, parse
+
+    if is_env(spec):
+        from paths.envs.sources import env_reward
+
+        env = parse(spec)
+        return Reward.of(env.label, env_reward(env))
     name, _, weight_text = spec.partition("=")
     try:
         weight = float(weight_text) if weight_text else 1.0
@@ -235,6 +246,40 @@ def load_reward(spec: str) -> Reward:
     if not callable(fn):
         raise ConfigurationError(f"--reward {name!r} is not callable: give a function (prompts, completions, answers) -> list[float]")
     return Reward.of(name, fn, weight)
+
+
+def reward_specs(names: list[str], environments: list[dict[str, Any]], dataset: str, skip: str | None = None) -> list[str]:
+    """The rewards to load. `env` stands for the scorer of every environment the dataset was sharded
+    from; with no reward named, a dataset from environments is scored by them, any other by
+    `math_answer`. `skip`: an environment whose episodes score themselves."""
+    envs = [e["spec"] for e in environments if e["spec"] != skip]
+    if not names:
+        return envs if environments else ["math_answer"]
+    out = []
+    for name in names:
+        if name != "env":
+            out.append(name)
+        elif not environments:
+            raise ConfigurationError(f"--reward env: dataset {dataset!r} was not sharded from an environment: name its rewards (e.g. --reward math_answer)")
+        else:
+            out += envs
+    return out
+
+
+def dataset_rewards(run: Any, dataset: str, names: list[str]) -> list[Reward]:
+    """The rewards a prompt dataset is scored with: `names` (`env` for its environments), else its
+    environments' own scorers, else math_answer; a multi-turn environment here is an error (its
+    episodes run in the trainer)."""
+    from sharding.dataset import dataset_manifest
+
+    environments = dataset_manifest(run, dataset).get("environments") or []
+    if any(e["spec"].startswith("verifiers:") for e in environments):
+        from paths.envs.spec import parse
+        from paths.envs.vf_env import is_episodic, load
+
+        if episodic := next((e["spec"] for e in environments if e["spec"].startswith("verifiers:") and is_episodic(load(parse(e["spec"])))), None):
+            raise ConfigurationError(f"dataset {dataset!r} comes from the multi-turn environment {episodic!r}: its episodes run in `paths train` (rollout workers sample single turns)")
+    return [load_reward(r) for r in reward_specs(names, environments, dataset)]
 
 
 def check_answers(rewards: list[Reward], records: list[dict[str, Any]], dataset: str) -> None:
@@ -279,6 +324,8 @@ def score(rewards: list[Reward], prompts: list[str], completions: list[str], com
         except (TypeError, ValueError):
             raise DataError(f"reward {r.spec!r} returned a value that is not a number: return floats (or None where it does not apply)") from None
         present = [v for v in values if v is not None]
+        if not present and getattr(r.fn, "partial", False):  # an environment's scorer, and none of its rows in this batch
+            continue
         if not present:
             raise DataError(f"reward {r.spec!r} returned only None for {n} completions: return a float for at least one, or drop it from --reward")
         if any(math.isnan(v) or math.isinf(v) for v in present):

@@ -77,9 +77,10 @@ def sample_tokens(logits_NV: torch.Tensor, temperature: float, top_p: float, u_N
 
 @torch.inference_mode()
 def generate(model: torch.nn.Module, ids_NP: torch.Tensor, mask_NP: torch.Tensor, max_new_tokens: int, temperature: float, top_p: float, eos_id: int, pad_id: int, repeats: int = 1,
-             uniforms_NC: torch.Tensor | None = None) -> torch.Tensor:
+             uniforms_NC: torch.Tensor | None = None, logprobs: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Sampled completions (N x repeats, C) with a KV cache: one prefill, then one token per
-    forward. A lean loop instead of `generate()`: for small models its per-token bookkeeping costs
+    forward; with a `logprobs` list, each step's (N,) log-probabilities of the sampled tokens (at
+    the sampling temperature) are appended to it. A lean loop instead of `generate()`: for small models its per-token bookkeeping costs
     as much as the forward pass. With `repeats`, each prompt is prefilled once and its cache copied
     for its `repeats` completions (a GRPO group). Rows that produced EOS continue with padding."""
     from transformers import DynamicCache
@@ -101,6 +102,9 @@ def generate(model: torch.nn.Module, ids_NP: torch.Tensor, mask_NP: torch.Tensor
     for t in range(max_new_tokens):
         u = None if uniforms_NC is None else uniforms_NC[:, t]
         token = torch.where(done, pad_id, sample_tokens(logits, temperature, top_p, u))  # (N,)
+        if logprobs is not None:
+            scaled = logits.float() / (temperature or 1.0)
+            logprobs.append(scaled.gather(1, token.unsqueeze(1)).squeeze(1) - torch.logsumexp(scaled, -1))
         out[:, t] = token
         done |= token == eos_id
         if t + 1 == max_new_tokens or bool(done.all()):

@@ -128,7 +128,7 @@ def train(
     `heartbeat`: the lease's, already renewing (`paths train` starts it before any heavy work and
     stops it however training ends); the trainer adopts it."""
     with torch.enable_grad():  # whatever the caller's global grad mode
-        return _train(run, path_id, mode, dataset, cfg, lease, show_progress, list(rewards or ["math_answer"]), init, heartbeat)
+        return _train(run, path_id, mode, dataset, cfg, lease, show_progress, list(rewards or []), init, heartbeat)
 
 
 def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, lease: Lease | None, show_progress: bool, rewards: list[str], init: str,
@@ -136,14 +136,22 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from paths.work.rewards import load_reward
+    from paths.work.episodes import episode_sampler
+    from paths.envs.spec import check_versions
+    from paths.work.rewards import load_reward, reward_specs
     from sharding.dataset import PathDataset, dataset_manifest, path_entry
 
     if mode not in ("lm", "sft", "grpo"):
         raise ConfigurationError(f"--mode {mode!r} is not a training mode: use lm, sft or grpo")
     if init not in ("base", "final"):
         raise ConfigurationError(f"--init must be base or final, got {init!r}")
+    environments = dataset_manifest(run, dataset).get("environments") or []
+    check_versions(environments, f"dataset {dataset!r}")
+    episodes = episode_sampler(run, dataset, environments) if mode == "grpo" else None  # a multi-turn environment: episodes in the trainer
+    rewards = reward_specs(rewards, environments, dataset, skip=episodes.spec.text if episodes else None)
     reward_fns = [load_reward(r) for r in rewards] if mode == "grpo" else []
+    if episodes is not None and cfg.rollouts == "store":
+        raise ConfigurationError(f"dataset {dataset!r} comes from the multi-turn environment {episodes.spec.text!r}, whose episodes run in the trainer for now: drop --rollouts store")
     if cfg.rollouts == "store" and mode != "grpo":
         raise ConfigurationError(f"--rollouts store feeds --mode grpo from rollout workers; --mode {mode} trains on the dataset itself")
     hf_logging.disable_progress_bar()
@@ -205,14 +213,14 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
                 step, batches = AsyncGRPOStep(cfg, source, ref, dataset), source
                 extra.append(PolicyPublisher(run, path_id, cfg.max_async, source, cfg.grad_accum))
             else:
-                step = GRPOStep(cfg, data.records, reward_fns, tokenizer, ref, dataset)
+                step = GRPOStep(cfg, data.records, reward_fns, tokenizer, ref, dataset, sampler=episodes)
             if cfg.eval_every:
                 heldout = read_prompts(run, dataset, shard_id, "heldout")[: cfg.eval_prompts]
                 check_prompts(heldout, reward_fns, dataset, model.config.max_position_embeddings, cfg.max_new_tokens)  # on every rank: all fail alike
                 if not heldout:
                     warnings.warn(f"eval_every {cfg.eval_every}: dataset {dataset!r} holds no held-out prompts for {shard_id} (shard with --holdout > 0): no held-out reward", stacklevel=2)
                 elif acc.is_main_process:
-                    extra.append(HeldoutReward(heldout, reward_fns, tokenizer, cfg.eval_every, cfg.max_new_tokens))
+                    extra.append(HeldoutReward(heldout, reward_fns, tokenizer, cfg.eval_every, cfg.max_new_tokens, episodes))
         callbacks: list[Callback] = [LeaseKeeper(lease, heartbeat)] if lease is not None and acc.is_main_process else []
         callbacks += extra
         trainer = Trainer(

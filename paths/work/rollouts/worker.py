@@ -96,6 +96,9 @@ def _prompts(run: Run, path: str, dataset: str) -> list[dict[str, Any]]:
     manifest = dataset_manifest(run, dataset)
     if manifest.get("data_kind") != "prompts":
         raise ConfigurationError(f"dataset {dataset!r} holds documents: a rollout worker needs a prompt dataset (`paths shard --kind prompts`)")
+    from paths.envs.spec import check_versions
+
+    check_versions(manifest.get("environments") or [], f"dataset {dataset!r}")
     try:
         shard = data_id(run, path, manifest)
     except NotFound:

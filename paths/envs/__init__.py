@@ -1,0 +1,1 @@
+"""Environments as task sources and rewards: verifiers environments, reasoning-gym tasks, chat prompts."""

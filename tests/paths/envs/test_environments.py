@@ -1,0 +1,297 @@
+"""Environments as task sources and rewards: a reasoning-gym task, a single-turn verifiers
+environment, a multi-turn one with a tool (episodes, environment tokens out of the loss), a
+mixture, chat prompts, and every bad input the environments issue names."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cli.main import main
+from paths.envs.spec import check_versions, parse
+from paths.errors import ConfigurationError, DataError
+from paths.train_config import load_config
+from paths.work.rewards import dataset_rewards, load_reward
+from paths.work.tasks import write_jsonl
+from paths.work.train import train
+from sharding.dataset import read_prompts
+from sharding.shard import ShardOptions, shard
+from tests.paths.work.conftest import FAST as FAST_STORE  # the rollout tests' settings
+from tests.paths.work.conftest import metrics
+from tests.sharding.conftest import make_run
+
+GYM = "reasoning-gym:basic_arithmetic:size=24,eval_size=6"
+SINGLE = "verifiers:calc_single:n=24,eval_n=6"
+TOOLS = "verifiers:calc_tools:n=8,eval_n=4"
+FAST = ["batch_size=2", "group_size=4", "max_new_tokens=16", "warmup_steps=1", "checkpoint_every=0"]
+
+
+def records(run, dataset: str, split: str = "train") -> list[dict]:
+    from sharding.dataset import dataset_manifest
+
+    return [r for p in sorted(dataset_manifest(run, dataset)["paths"]) for r in read_prompts(run, dataset, p, split)]
+
+
+def trained_path(run, dataset: str) -> str:
+    from sharding.dataset import dataset_manifest
+
+    paths = sorted(dataset_manifest(run, dataset)["paths"].items(), key=lambda pc: (pc[1]["heldout_docs"] == 0, pc[0]))  # one with held-out prompts first
+    return next(p for p, c in paths if c["train_docs"] >= 2)
+
+
+@pytest.fixture
+def run(tmp_path, tokenizer_dir):
+    return make_run(str(tmp_path / "run"), tokenizer_dir, 1)
+
+
+# -- specs ---------------------------------------------------------------------------------------
+def test_specs_read_their_arguments_as_json_and_name_what_is_wrong():
+    spec = parse("verifiers:calc_tools:n=3,hard=true,name=x,xs=[1,2]")
+    assert (spec.kind, spec.name, spec.args) == ("verifiers", "calc_tools", {"n": 3, "hard": True, "name": "x", "xs": [1, 2]})
+    assert parse(spec.text) == spec and spec.label == "verifiers:calc_tools"
+    with pytest.raises(ConfigurationError, match="is not k=v"):
+        parse("verifiers:calc_tools:oops")
+    with pytest.raises(ConfigurationError, match="names no module"):
+        parse("verifiers:")
+
+
+# -- reasoning-gym -----------------------------------------------------------------------------------
+def test_a_reasoning_gym_task_is_sharded_with_its_eval_split_and_scored_by_its_own_scorer(run):
+    import reasoning_gym
+
+    manifest = shard(run, ShardOptions(dataset="gym", inputs=[GYM], kind="prompts"))
+    assert manifest["environments"] == [{"spec": parse(GYM).text, "package": "reasoning-gym", "version": reasoning_gym_version()}]
+    assert sum(c["train_docs"] for c in manifest["paths"].values()) == 24 and sum(c["heldout_docs"] for c in manifest["paths"].values()) == 6
+    recs = records(run, "gym")
+    reward = load_reward(GYM)
+    entries = [r["info"] for r in recs]
+    gold = [f"thinking...\n<answer>{r['answer']}</answer>" for r in recs]
+    wrong = [f"<answer>{r['answer']}1</answer>" for r in recs]
+    fields = {"info": entries, "env": [r["env"] for r in recs]}
+    assert reward([""] * len(recs), gold, [[]] * len(recs), fields) == [1.0] * len(recs)
+    library = [reasoning_gym.get_score_answer_fn(e["metadata"]["source_dataset"])(w[8:-9], e) for w, e in zip(wrong, entries)]
+    assert reward([""] * len(recs), wrong, [[]] * len(recs), fields) == library
+    assert reward([""] * len(recs), [r["answer"] for r in recs], [[]] * len(recs), fields) == [0.0] * len(recs)  # no tags: no answer
+    assert recs[0]["prompt"].startswith("<|user|>\n") and recs[0]["messages"][0]["role"] == "user"  # a chat prompt, rendered
+
+
+def reasoning_gym_version() -> str:
+    from importlib.metadata import version
+
+    return version("reasoning-gym")
+
+
+# -- single-turn verifiers ---------------------------------------------------------------------------
+def test_a_single_turn_environment_renders_chat_prompts_and_its_rubric_scores_with_its_weights(run, tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    shard(run, ShardOptions(dataset="single", inputs=[SINGLE], kind="prompts", system_prompt="Be brief."))
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    recs = records(run, "single")
+    r = recs[0]
+    assert r["messages"][0] == {"role": "system", "content": "Be brief."} and r["messages"][1]["role"] == "user"
+    assert r["prompt"] == tok.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
+    assert r["ids"] == tok(r["prompt"], add_special_tokens=False)["input_ids"]
+    assert len(records(run, "single", "heldout")) == 6
+    reward = dataset_rewards(run, "single", [])[0]
+    fields = {k: [x.get(k) for x in recs[:3]] for k in ("messages", "answer", "info", "example_id", "env")}
+    right, tagged, bare = (f"<answer>{x['answer']}</answer>" for x in recs[:1]), "<answer>-1</answer>", "no idea"
+    got = reward([""] * 3, [next(right), tagged, bare], [[]] * 3, fields)
+    assert got == pytest.approx([1.2, 0.2, 0.0])  # correct (weight 1) + tagged (weight 0.2)
+
+
+def test_grpo_on_a_single_turn_environment_reports_its_rubric_and_heldout_reward(run):
+    shard(run, ShardOptions(dataset="single", inputs=[SINGLE], kind="prompts"))
+    path = trained_path(run, "single")
+    train(run, path, "grpo", "single", load_config(sets=FAST + ["eval_every=2", "eval_prompts=4"], steps=2), None, show_progress=False)
+    last = metrics(run, path)[-1]
+    assert "reward/verifiers:calc_single" in last and "heldout_reward" in last
+
+
+# -- multi-turn with a tool -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory, tokenizer_dir):
+    """A run whose path has learnt, by SFT on one worked episode, to call the `add` tool and answer."""
+    import calc_tools
+
+    tmp = tmp_path_factory.mktemp("tools")
+    run = make_run(str(tmp / "run"), tokenizer_dir, 1)
+    demos = str(tmp / "demos.jsonl")
+    write_jsonl(calc_tools.demonstrations(1, seed=0) * 16, demos)  # seed 0: the environment's first train row
+    manifest = shard(run, ShardOptions(dataset="demos", inputs=[demos], kind="prompts", text_field="prompt", answer_field="completion", holdout=0))
+    path = next(p for p, c in manifest["paths"].items() if c["train_docs"])
+    cfg = load_config(sets=["batch_size=8", "lr=3e-3", "warmup_steps=2", "checkpoint_every=0", "seq_len=224"], steps=200)
+    train(run, path, "sft", "demos", cfg, None, show_progress=False)
+    shard(run, ShardOptions(dataset="tools", inputs=["verifiers:calc_tools:n=1,eval_n=1"], kind="prompts"))
+    return run, path
+
+
+def _final(run, path, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from paths.models import fetch_final
+
+    fetch_final(run, path, str(tmp_path / "final"))
+    return AutoModelForCausalLM.from_pretrained(str(tmp_path / "final")), AutoTokenizer.from_pretrained(str(tmp_path / "final"))
+
+
+def test_an_episode_calls_the_tool_and_the_environments_tokens_stay_out_of_the_loss(tool_model, tmp_path):
+    from paths.work.episodes import EpisodeSampler
+    from paths.work.grpo import to_rollout
+
+    run, path = tool_model
+    model, tok = _final(run, path, tmp_path)
+    sampler = EpisodeSampler(parse("verifiers:calc_tools:n=1,eval_n=1"), tok.chat_template)
+    rec = records(run, "tools")[0]
+    samples = sampler.samples(model, [rec], [], tok, group=2, budget=96, temperature=0.0, top_p=1.0, chunk=8)
+    text = tok.decode(samples.completion_ids[0])
+    a, b = (int(x) for x in rec["messages"][-1]["content"].split(" = ")[0].split(" + "))
+    assert f'"arguments": {{"a": {a}, "b": {b}}}' in text and f"<|tool|>\n{a + b}</s>" in text, text
+    assert samples.rewards == [1.1, 1.1]  # correct answer (1) + the tool ran (0.1)
+    mask = samples.model_masks[0]
+    env_tokens = tok(f"\n<|tool|>\n{a + b}</s>\n<|assistant|>\n", add_special_tokens=False)["input_ids"]
+    start = mask.index(0)
+    assert samples.completion_ids[0][start : start + len(env_tokens)] == env_tokens and sum(1 - m for m in mask) == len(env_tokens)
+    assert all(lp == 0.0 for lp, m in zip(samples.logprobs[0], mask) if not m) and all(lp <= 0 for lp in samples.logprobs[0])
+    assert sampler.last["episode/turns"] == 2.0 and not any(samples.truncated)
+    cfg = load_config(sets=["batch_size=1", "group_size=2", "max_new_tokens=96"], mode="grpo")
+    ro = to_rollout(samples, model, None, cfg, tok, 0.0)
+    assert ro.loss_mask_NC[0].tolist()[: len(mask)] == mask and int(ro.loss_mask_NC[0].sum()) == sum(mask)
+    assert int(ro.completion_mask_NC[0].sum()) == len(mask)  # the environment's tokens are still context
+
+
+def test_an_episode_that_outgrows_its_budget_is_cut_and_counted(tool_model, tmp_path):
+    from paths.work.episodes import EpisodeSampler
+
+    run, path = tool_model
+    model, tok = _final(run, path, tmp_path)
+    sampler = EpisodeSampler(parse("verifiers:calc_tools:n=1,eval_n=1"), tok.chat_template)
+    for budget in (10, 70):  # cut in the model's turn (a 58-token tool call); cut in the environment's answer (26 tokens)
+        samples = sampler.samples(model, records(run, "tools"), [], tok, group=1, budget=budget, temperature=0.0, top_p=1.0, chunk=8)
+        assert samples.truncated == [True] and len(samples.completion_ids[0]) == budget and samples.rewards[0] < 1.0  # never the answer's reward
+        assert len(samples.model_masks[0]) == budget and (budget == 10) == all(samples.model_masks[0])
+
+
+def test_grpo_runs_episodes_in_the_trainer_and_rollout_workers_refuse_them(tool_model):
+    run, path = tool_model
+    cfg = load_config(sets=["batch_size=1", "group_size=4", "max_new_tokens=96", "warmup_steps=1", "checkpoint_every=0", "temperature=1.0"], steps=2)
+    train(run, path, "grpo", "tools", cfg, None, show_progress=False, init="final")
+    last = metrics(run, path)[-1]
+    assert last["episode/turns"] >= 1 and "reward/verifiers:calc_tools/correct" in last
+    with pytest.raises(ConfigurationError, match="episodes run in `paths train`"):
+        dataset_rewards(run, "tools", [])
+    with pytest.raises(ConfigurationError, match="drop --rollouts store"):
+        train(run, path, "grpo", "tools", load_config(sets=["rollouts=store"], steps=1), None, show_progress=False)
+
+
+# -- mixtures ---------------------------------------------------------------------------------------
+def test_a_mixture_scores_each_source_with_its_own_scorer_and_reports_each(run):
+    shard(run, ShardOptions(dataset="mix", inputs=[GYM, SINGLE], kind="prompts"))
+    recs = records(run, "mix")
+    assert {r["env"] for r in recs} == {"reasoning-gym:basic_arithmetic", "verifiers:calc_single"}
+    rewards = dataset_rewards(run, "mix", ["env"])
+    from paths.work.rewards import score
+
+    fields = {k: [r.get(k) for r in recs] for k in ("messages", "answer", "info", "example_id", "env")}
+    completions = [f"<answer>{r['answer']}</answer>" for r in recs]
+    total, means = score(rewards, [r["prompt"] for r in recs], completions, [[]] * len(recs), fields)
+    assert total == [1.0 if r["env"].startswith("reasoning-gym") else 1.2 for r in recs]
+    path = trained_path(run, "mix")
+    train(run, path, "grpo", "mix", load_config(sets=FAST + ["batch_size=8", "group_size=2"], steps=1), None, show_progress=False)
+    last = metrics(run, path)[-1]
+    sources = {k.split("/")[1] for k in last if k.startswith("source/")}
+    assert sources <= {"reasoning-gym:basic_arithmetic", "verifiers:calc_single"} and sources, last
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+def _shard_cli(run, *args):
+    return CliRunner().invoke(main, ["shard", run.url, "--dataset", "bad", "--kind", "prompts", *args])
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("verifiers:no_such_env", "no module 'no_such_env' is installed"),
+    ("verifiers:tests.paths.envs.bad_envs", "load_environment raised RuntimeError: the task server is down (retry later)"),
+    ("reasoning-gym:no_such_task", "reasoning-gym task 'no_such_task' cannot be made (ValueError: Dataset 'no_such_task' not registered)"),
+])
+def test_an_environment_that_cannot_load_is_one_line_and_writes_nothing(run, spec, message):
+    result = _shard_cli(run, "--input", spec)
+    assert result.exit_code != 0 and message in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    assert not run.store.exists("data/bad/manifest.json") and not list(run.store.list("data/bad"))
+
+
+@pytest.mark.parametrize("kind, message", [("nan", "reward is nan"), ("none", "rubric function .none_reward. failed on all 8 completions")])
+def test_a_rubric_returning_nan_or_none_stops_training(run, kind, message):
+    spec = f"verifiers:tests.paths.envs.bad_envs:kind={kind}"
+    shard(run, ShardOptions(dataset="bad", inputs=[spec], kind="prompts"))
+    path = trained_path(run, "bad")
+    with pytest.raises(DataError, match=message):
+        train(run, path, "grpo", "bad", load_config(sets=FAST, steps=1), None, show_progress=False)
+    assert not run.store.exists(f"work/{path}/final/manifest.json")
+
+
+def test_unknown_roles_and_missing_chat_templates_are_one_line(run, tmp_path):
+    f = str(tmp_path / "chat.jsonl")
+    write_jsonl([{"prompt": [{"role": "robot", "content": "hi"}], "answer": "1"}], f)
+    result = _shard_cli(run, "--input", f, "--text-field", "prompt")
+    assert result.exit_code != 0 and "message 0 has unknown role 'robot'" in result.output
+    write_jsonl([{"prompt": [{"role": "user", "content": "hi"}], "answer": "1"}], f)
+    run.store.delete_prefix("data/bad")
+    from paths.models import run_tokenizer
+
+    tok, _ = run_tokenizer(run)
+    tok.chat_template = None
+    with pytest.MonkeyPatch.context() as mp:  # a run whose tokenizer has no template (a user's --tokenizer)
+        mp.setattr("paths.models.run_tokenizer", lambda r: (tok, "no-template"))
+        with pytest.raises(ConfigurationError, match="has no chat template: pass --chat-template FILE"):
+            shard(run, ShardOptions(dataset="bad", inputs=[f], kind="prompts", text_field="prompt"))
+        template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+        shard(run, ShardOptions(dataset="bad2", inputs=[f], kind="prompts", text_field="prompt", chat_template=template))
+    assert records(run, "bad2")[0]["prompt"] == "[user] hi\n[assistant] "
+
+
+def test_a_machine_with_another_environment_version_stops_with_the_version_to_install():
+    check_versions([{"spec": SINGLE, "package": "verifiers", "version": version("verifiers")}], "dataset 'x'")
+    with pytest.raises(ConfigurationError, match=r"dataset 'x' was made with verifiers 0\.1\.9 but this machine has .*: pip install 'verifiers==0\.1\.9'"):
+        check_versions([{"spec": SINGLE, "package": "verifiers", "version": "0.1.9"}], "dataset 'x'")
+    with pytest.raises(ConfigurationError, match="not installed here: pip install 'nopkg==1.0'"):
+        check_versions([{"spec": "verifiers:x", "package": "nopkg", "version": "1.0"}], "dataset 'x'")
+
+
+def version(name: str) -> str:
+    from importlib.metadata import version as v
+
+    return v(name)
+
+
+# -- evaluation ---------------------------------------------------------------------------------------
+def test_eval_gives_the_mean_reward_and_pass_at_k_per_task(tool_model, run):
+    tools_run, path = tool_model
+    result = CliRunner().invoke(main, ["eval", tools_run.url, "--dataset", "tools", "--split", "train", "--model", f"path:{path}", "--samples", "2",
+                                       "--max-new-tokens", "96", "--json"])
+    assert result.exit_code == 0, result.output
+    got = json.loads(result.output)
+    assert got["metric"] == "mean reward" and got["table"][f"path:{path}"][path] == pytest.approx(1.1)  # the greedy episode: tool, then the sum
+    task = got["tasks"][f"path:{path}"]["verifiers:calc_tools"]
+    assert task["reward"] == pytest.approx(1.1) and 0.0 <= task["pass@2"] <= 1.0 and task["prompts"] == 1
+    shard(run, ShardOptions(dataset="mix", inputs=[GYM, SINGLE], kind="prompts"))
+    result = CliRunner().invoke(main, ["eval", run.url, "--dataset", "mix", "--model", "base", "--samples", "2", "--max-new-tokens", "8"])
+    assert result.exit_code == 0, result.output
+    assert "per task" in result.output and "reasoning-gym:basic_arithmetic pass@2" in result.output and "verifiers:calc_single reward" in result.output
+
+
+# -- rollout workers ---------------------------------------------------------------------------------
+def test_a_single_turn_environment_feeds_the_trainer_through_rollout_workers(run, tmp_path):
+    """Signed worker batches of environment prompts, scored by the rubric on both sides, pass the
+    trainer's checks (rewards recomputed with the rubric, seeds checked) and are learned from."""
+    from paths.work.rollouts import rollout_worker
+    from tests.paths.work.rollouts.conftest import STORE, keyed, rejections, settings, start
+
+    shard(run, ShardOptions(dataset="rl", inputs=["verifiers:calc_single:n=48,eval_n=4"], kind="prompts"))
+    start(run, tmp_path)
+    rollout_worker(run, "p00", "rl", settings(), dataset_rewards(run, "rl", []), key=keyed(run, tmp_path, "w"), batches=2, wait=5)
+    train(run, "p00", "grpo", "rl", load_config(sets=[*FAST_STORE, *STORE], steps=2), None, show_progress=False)
+    assert not rejections(run) and [m["store_batches"] for m in metrics(run, "p00")] == [1, 1]
+    assert "reward/verifiers:calc_single" in metrics(run, "p00")[-1]
