@@ -19,13 +19,13 @@ from paths.errors import PathsError
 
 SCENARIOS = {"main": (scenarios.main_scenario, scenarios.DEFAULT_ROOT), "flexolmo": (scenarios.flexolmo_scenario, scenarios.FLEX_ROOT), "rl": (scenarios.rl_scenario, scenarios.RL_ROOT),
              "swarm": (scenarios.swarm_scenario, scenarios.SWARM_ROOT), "envs": (scenarios_envs.envs_scenario, scenarios_envs.ENVS_ROOT)}
-ALL = ("main", "flexolmo", "rl", "swarm")  # `all`: envs stays out until its GRPO gain fits the five-minute budget (see README)
+ALL = ("main", "flexolmo", "rl", "swarm", "envs")
 NOTHING_TO_CLAIM = 3
 
 
 @click.command()
 @click.option("--scenario", type=click.Choice([*SCENARIOS, "all"]), default="main", show_default=True,
-              help="main: decompose, shard, train, compose, eval, HDEE; flexolmo: anchored domain experts and opt-out; rl: SFT cold start, upcycle, GRPO per path, compose; swarm: asynchronous GRPO, trainers and rollout workers sharing experience through the run; envs: a reasoning-gym task and a multi-turn verifiers environment with a tool; all: main, flexolmo, rl and swarm in turn.")
+              help="main: decompose, shard, train, compose, eval, HDEE; flexolmo: anchored domain experts and opt-out; rl: SFT cold start, upcycle, GRPO per path, compose; swarm: asynchronous GRPO, trainers and rollout workers sharing experience through the run; envs: a reasoning-gym task and a multi-turn verifiers environment with a tool; all: main, flexolmo, rl, swarm and envs in turn.")
 @click.option("--root", help="Folder (or s3:// URL) of the quickstart run (default: runs/quickstart[-SCENARIO]).")
 def quickstart(scenario: str, root: str | None) -> None:
     """Create a run on a local folder and walk it through every stage, command by command."""

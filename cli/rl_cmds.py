@@ -56,14 +56,14 @@ def rollout(run: str, path_id: str, dataset: str, worker: str | None, key_file: 
     import os
 
     from paths.train_config import load_config
-    from paths.work.rewards import dataset_rewards
+    from paths.work.episodes import dataset_scoring
     from paths.work.rollouts import load_key, rollout_worker
     from paths.work.rollouts.keys import default_key_file
     from storage.layout import open_run
 
     cfg = load_config(config_file, sets, mode="grpo")
     key = load_key(key_file) if key_file else load_key(default_key_file()) if os.path.exists(default_key_file()) else None
-    reward_fns = dataset_rewards(open_run(run), dataset, list(rewards))
+    reward_fns, episodes = dataset_scoring(open_run(run), dataset, list(rewards))
     bar = tqdm(total=batches, desc=f"rollout {path_id} ({worker or 'worker'}, {dtype})", disable=no_progress)
 
     def shown(b: dict) -> None:
@@ -71,7 +71,8 @@ def rollout(run: str, path_id: str, dataset: str, worker: str | None, key_file: 
         bar.set_postfix(version=b["version"], reward=f"{b['reward_mean']:.3f}", tok_s=f"{b['tokens_per_s']:,.0f}")
 
     try:
-        summary = rollout_worker(open_run(run), path_id, dataset, cfg, reward_fns, worker=worker, key=key, dtype=dtype, batches=batches, wait=wait, on_batch=shown)
+        summary = rollout_worker(open_run(run), path_id, dataset, cfg, reward_fns, worker=worker, key=key, dtype=dtype, batches=batches, wait=wait, on_batch=shown,
+                                 episodes=episodes)
     finally:
         bar.close()
     signed = f"signed by {summary['key'][:16]}..." if summary["key"] else "unsigned"

@@ -5,8 +5,9 @@ high); offline (the data is generated). The
 model may call `add(a, b)`: the environment runs it and answers with a tool message; the episode
 ends at the first model turn with no tool call, or after `max_turns` turns. Rubric: the model's
 last turn ends in the sum (weight 1); a tool call that ran (weight 0.1).
-`demonstrations(n, seed, low, high)`: worked episodes (call the tool, then give its result) in TRL's
-conversational prompt / completion form, for a supervised warm start.
+`demonstrations(n, seed, low, high, direct=0.0)`: worked episodes (call the tool, then give its
+result; a `direct` share answers at once, without the tool) in TRL's conversational prompt /
+completion form, for a supervised warm start.
 """
 
 from __future__ import annotations
@@ -62,13 +63,13 @@ TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add tw
     "required": ["a", "b"]}}}]
 
 
-def demonstrations(n: int = 200, seed: int = 1, low: int = 10, high: int = 99) -> list[dict]:
-    """Worked episodes: {"id", "prompt": [user], "completion": [tool call, tool result, answer], "tools"}."""
+def demonstrations(n: int = 200, seed: int = 1, low: int = 10, high: int = 99, direct: float = 0.0) -> list[dict]:
+    """Worked episodes: {"id", "prompt": [user], "completion": [tool call, tool result, answer], "tools"};
+    the first round(direct * n) answer at once instead: [answer]."""
     out = []
     for i, (a, b) in enumerate(_pairs(n, random.Random(seed), low, high)):
         call = {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
+        used = [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": str(a + b), "tool_call_id": "call_0"}]
         out.append({"id": f"demo-{seed}-{i}", "prompt": [{"role": "user", "content": f"{a} + {b} = ?"}],
-                    "completion": [{"role": "assistant", "content": "", "tool_calls": [call]},
-                                   {"role": "tool", "content": str(a + b), "tool_call_id": "call_0"},
-                                   {"role": "assistant", "content": f"The sum is {a + b}."}], "tools": TOOLS})
+                    "completion": [*(used if i >= round(direct * n) else []), {"role": "assistant", "content": f"The sum is {a + b}."}], "tools": TOOLS})
     return out

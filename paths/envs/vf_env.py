@@ -112,14 +112,14 @@ def openai_tools(env: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     """A dataset value as JSON: pydantic messages as dicts, keys that are None dropped from messages."""
     if hasattr(value, "model_dump"):
         value = value.model_dump()
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items() if v is not None}
+        return {k: plain(v) for k, v in value.items() if v is not None}
     if isinstance(value, list):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     return value
 
 
@@ -134,7 +134,7 @@ def rows(spec: EnvSpec) -> Iterator[dict[str, Any]]:
         if data is None:
             continue
         for i, row in enumerate(data):
-            record = {k: _plain(v) for k, v in row.items() if v is not None}
+            record = {k: plain(v) for k, v in row.items() if v is not None}
             if isinstance(record.get("task"), str):  # verifiers 0.3 refuses plain-string task routes at rollout
                 record["env_task"] = record.pop("task")
             if isinstance(record.get("prompt"), str):

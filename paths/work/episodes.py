@@ -13,13 +13,24 @@ the environment's marked as context (out of the loss), the model's with the log-
 sampled with. The episode's budget is `max_new_tokens` tokens in all; one that outgrows it is cut
 and counted as truncated. Rewards: the environment's rubric on the finished episode (its
 `score_rollout`), plus any other `--reward` on the model's last turn.
+
+Through rollout workers (worker.py, verify.py): a worker samples each model token with its seeded
+number for that position of the episode (`uniforms`: one row of numbers per episode, indexed by
+the position in the completion, so the environment's tokens use none). The trainer replays the
+batch with `Replay`: verifiers runs each episode again, the model's turns taken from the batch
+(each must be what a sampler stops at: up to EOS, or the token budget), the environment's answers
+computed anew; the replayed transcript must equal the batch's token for token, and the rubric
+scores the replayed episode. An environment that says it is not deterministic (`deterministic =
+False` on it) has its answers recorded by the worker (`Said`) and played back on the trainer, which
+then trusts the worker for what the environment said (README: what stays trusted).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -56,13 +67,16 @@ class Transcript:
 class Turns:
     """Model turns of concurrent episodes, sampled in batches, with each episode's transcript."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, template: str, *, budget: int, temperature: float, top_p: float, chunk: int = 64):
+    def __init__(self, model: torch.nn.Module | None, tokenizer: Any, template: str, *, budget: int, temperature: float, top_p: float, chunk: int = 64,
+                 uniforms: dict[str, torch.Tensor] | None = None):
         from paths.work.sampling import device_of
 
         self.model, self.tokenizer, self.template, self.budget = model, tokenizer, template, budget
-        self.temperature, self.top_p, self.chunk, self.device = temperature, top_p, chunk, device_of(model)
+        self.temperature, self.top_p, self.chunk = temperature, top_p, chunk
+        self.device = device_of(model) if model is not None else torch.device("cpu")
+        self.uniforms = uniforms  # episode -> (budget,) seeded numbers, one per completion position (a rollout worker's)
         self.transcripts: dict[str, Transcript] = {}
-        self.pending: list[tuple[list[int], int, asyncio.Future]] = []
+        self.pending: list[tuple[str, list[int], int, asyncio.Future]] = []
         self.live = 0
         self.forwards = 0  # batched sampling calls, for the metrics
         eos = tokenizer.eos_token
@@ -92,7 +106,7 @@ class Turns:
             t.truncated = True
             raise OverlongPromptError(f"episode {key} used its {self.budget} tokens")
         prompt = t.prompt_ids + t.completion_ids
-        ids, logprobs = await self._sample(prompt, remaining)
+        ids, logprobs = await self._sample(key, prompt, remaining)
         eos = self.tokenizer.eos_token_id
         t.add(ids, model=True, logprobs=logprobs)
         t.seen, t.turns = len(messages), t.turns + 1
@@ -115,9 +129,9 @@ class Turns:
         start = end + len(self.eos_text) if end >= 0 else len(before)
         return self.tokenizer(whole[start:], add_special_tokens=False)["input_ids"]
 
-    async def _sample(self, ids: list[int], max_new: int) -> tuple[list[int], list[float]]:
+    async def _sample(self, key: str, ids: list[int], max_new: int) -> tuple[list[int], list[float]]:
         future: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.pending.append((ids, max_new, future))
+        self.pending.append((key, ids, max_new, future))
         self._flush_if_ready()
         return await future
 
@@ -127,16 +141,28 @@ class Turns:
             return
         batch, self.pending = self.pending, []
         try:
-            results = self._generate([b[0] for b in batch], [b[1] for b in batch])
+            results = self._generate([b[0] for b in batch], [b[1] for b in batch], [b[2] for b in batch])
         except Exception as exc:  # every waiting episode learns of it
-            for _, _, future in batch:
+            for *_, future in batch:
                 future.set_exception(exc)
             return
-        for (_, _, future), result in zip(batch, results):
+        for (*_, future), result in zip(batch, results):
             future.set_result(result)
 
+    def _numbers(self, keys: list[str], prompts: list[list[int]], width: int) -> torch.Tensor | None:
+        """Each turn's seeded numbers from its episode's position on (0.5 past the budget, where
+        nothing is kept)."""
+        if self.uniforms is None:
+            return None
+        u = torch.full((len(keys), width), 0.5)
+        for j, (key, prompt) in enumerate(zip(keys, prompts)):
+            at = len(prompt) - len(self.transcripts[key].prompt_ids)
+            row = self.uniforms[key][at : at + width]
+            u[j, : len(row)] = row
+        return u
+
     @torch.inference_mode()
-    def _generate(self, prompts: list[list[int]], limits: list[int]) -> list[tuple[list[int], list[float]]]:
+    def _generate(self, keys: list[str], prompts: list[list[int]], limits: list[int]) -> list[tuple[list[int], list[float]]]:
         from paths.work.sampling import generate, left_pad
 
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
@@ -148,7 +174,9 @@ class Turns:
                 ids, mask = left_pad(prompts[i : i + self.chunk], pad, self.device)
                 width = max(limits[i : i + self.chunk])
                 steps: list[torch.Tensor] = []
-                seqs = generate(self.model, ids, mask, width, self.temperature, self.top_p, eos, pad, logprobs=steps).tolist()
+                u = self._numbers(keys[i : i + self.chunk], prompts[i : i + self.chunk], width)
+                seqs = generate(self.model, ids, mask, width, self.temperature, self.top_p, eos, pad, uniforms_NC=None if u is None else u.to(self.device),
+                                logprobs=steps).tolist()
                 lps = torch.stack(steps, 1).tolist()
                 self.forwards += 1
                 for seq, lp, limit in zip(seqs, lps, limits[i : i + self.chunk]):
@@ -160,17 +188,80 @@ class Turns:
         return out
 
 
+class Diverged(DataError):
+    """A replayed episode that is not the batch's: the worker's transcript is not what its turns and the environment give."""
+
+
+class Replay(Turns):
+    """The model's turns of a rollout batch's episodes, played back: each turn is the batch's next
+    model tokens, as a sampler would have stopped (at EOS, or at the budget)."""
+
+    def __init__(self, tokenizer: Any, template: str, budget: int, recorded: dict[str, tuple[list[int], list[int]]]):
+        super().__init__(None, tokenizer, template, budget=budget, temperature=1.0, top_p=1.0)
+        self.recorded = recorded  # episode -> (completion ids, model mask)
+
+    def _generate(self, keys: list[str], prompts: list[list[int]], limits: list[int]) -> list[tuple[list[int], list[float]]]:
+        eos, out = self.tokenizer.eos_token_id, []
+        for key, prompt, limit in zip(keys, prompts, limits):
+            ids, mask = self.recorded[key]
+            at = len(prompt) - len(self.transcripts[key].prompt_ids)
+            turn = ids[at : at + limit]
+            turn = turn[: turn.index(eos) + 1] if eos in turn else turn
+            if not turn or not all(mask[at : at + len(turn)]) or (eos not in turn and len(turn) < limit):
+                raise Diverged(f"episode {key}: the model's turn at token {at} is not in the batch as a sampler leaves it (model tokens up to EOS or the budget)")
+            out.append((turn, [0.0] * len(turn)))
+        return out
+
+
+@contextlib.contextmanager
+def environment_answers(env: Any, played: dict[str, list[Any]] | None = None) -> Iterator[dict[str, list[Any]]]:
+    """While open, each episode's environment answers (its `env_response`s, as JSON) are recorded
+    in the dict yielded; with `played`, they are not computed but taken from it, in order."""
+    from paths.envs.vf_env import plain
+
+    said: dict[str, list[Any]] = {}
+    own = env.env_response
+
+    async def answer(messages: Any, state: Any, **kwargs: Any) -> Any:
+        key = state["input"]["paths_episode"]
+        if played is None:
+            out = await own(messages, state, **kwargs)
+        elif len(played.get(key) or []) <= len(said.get(key, [])):
+            raise Diverged(f"episode {key}: the batch records fewer environment answers than its turns need")
+        else:
+            out = played[key][len(said.get(key, []))]
+        said.setdefault(key, []).append(plain(out))
+        return out
+
+    had = vars(env).get("env_response")
+    env.env_response = answer
+    try:
+        yield said
+    finally:
+        if had is None:
+            del env.env_response  # the class's own again
+        else:
+            env.env_response = had
+
+
+def deterministic(env: Any) -> bool:
+    """Does the environment answer the same conversation the same way (so a trainer can replay it)?
+    Environments say otherwise with `deterministic = False`."""
+    return bool(getattr(env, "deterministic", True))
+
+
 class EpisodeSampler:
     """`sample(model, records, rewards, cfg, tokenizer) -> Samples` for an environment that answers turns."""
 
     def __init__(self, spec: EnvSpec, template: str):
         self.spec, self.env, self.template = spec, load(spec), template
+        self.deterministic = deterministic(self.env)
         self.last: dict[str, float] = {}
+        self.said: dict[str, list[Any]] = {}  # the last episodes' environment answers (recorded for a rollout batch)
 
-    def episodes(self, model: torch.nn.Module, records: list[dict[str, Any]], group: int, tokenizer: Any, *, budget: int, temperature: float, top_p: float,
-                 chunk: int = 64) -> tuple[Turns, list[tuple[str, Any]]]:
-        """Run `group` episodes per record; (the transcripts, [(key, finished state)] in record order)."""
-        turns = Turns(model, tokenizer, self.template, budget=budget, temperature=temperature, top_p=top_p, chunk=chunk)
+    def episodes(self, turns: Turns, records: list[dict[str, Any]], group: int, played: dict[str, list[Any]] | None = None) -> list[tuple[str, Any]]:
+        """Run `group` episodes per record, the model's turns from `turns`; [(key, finished state)] in
+        record order (key "record.k"). `played`: the environment's answers, taken from a batch."""
         client = LocalClient(turns)
 
         async def one(key: str, record: dict[str, Any]) -> tuple[str, Any]:
@@ -192,22 +283,41 @@ class EpisodeSampler:
         async def run_all() -> list[tuple[str, Any]]:
             return list(await asyncio.gather(*(one(f"{i}.{k}", r) for i, r in enumerate(records) for k in range(group))))
 
-        with rubric_failures(self.spec.label, len(records) * group):
-            finished = asyncio.run(run_all())
-        return turns, finished
+        with rubric_failures(self.spec.label, len(records) * group), environment_answers(self.env, played) as self.said:
+            return asyncio.run(run_all())
 
     def __call__(self, model: torch.nn.Module, records: list[dict[str, Any]], rewards: list[Reward], cfg: TrainConfig, tokenizer: Any) -> Samples:
         return self.samples(model, records, rewards, tokenizer, group=cfg.group_size, budget=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                             chunk=cfg.generation_batch_size or cfg.batch_size * cfg.group_size)
 
     def samples(self, model: torch.nn.Module, records: list[dict[str, Any]], rewards: list[Reward], tokenizer: Any, *, group: int, budget: int, temperature: float,
-                top_p: float, chunk: int) -> Samples:
-        """`group` scored episodes per record."""
+                top_p: float, chunk: int, uniforms: torch.Tensor | None = None) -> Samples:
+        """`group` scored episodes per record (`uniforms`: (records x group, budget) seeded numbers, a rollout worker's)."""
+        keys = [f"{i}.{k}" for i in range(len(records)) for k in range(group)]
+        numbers = None if uniforms is None else dict(zip(keys, uniforms))
+        turns = Turns(model, tokenizer, self.template, budget=budget, temperature=temperature, top_p=top_p, chunk=chunk, uniforms=numbers)
+        return self.scored(turns, self.episodes(turns, records, group), records, rewards, group)
+
+    def replay(self, records: list[dict[str, Any]], rewards: list[Reward], tokenizer: Any, group: int, budget: int, completion_ids: list[list[int]],
+               model_masks: list[list[int]], played: list[list[Any]] | None) -> Samples:
+        """A batch's episodes again, the model's turns taken from it (the environment's answers from
+        `played` when given); Diverged when the replayed transcript is not the batch's."""
+        keys = [f"{i}.{k}" for i in range(len(records)) for k in range(group)]
+        turns = Replay(tokenizer, self.template, budget, dict(zip(keys, zip(completion_ids, model_masks))))
+        finished = self.episodes(turns, records, group, None if played is None else dict(zip(keys, played)))
+        for r, (key, _) in enumerate(finished):
+            t = turns.transcripts[key]
+            if t.completion_ids != completion_ids[r] or t.model_mask != model_masks[r]:
+                at = next((i for i, (a, b) in enumerate(zip(t.completion_ids, completion_ids[r])) if a != b), min(len(t.completion_ids), len(completion_ids[r])))
+                raise Diverged(f"row {r}: the replayed episode differs from the batch's from token {at} on (the environment's answers, or where they were put)")
+        return self.scored(turns, finished, records, rewards, group)
+
+    def scored(self, turns: Turns, finished: list[tuple[str, Any]], records: list[dict[str, Any]], rewards: list[Reward], group: int) -> Samples:
+        """The finished episodes as Samples: the rubric's reward plus any other reward's on the model's last turn."""
         from paths.work.grpo import Samples
         from paths.work.rewards import score
         from paths.work.sampling import record_fields
 
-        turns, finished = self.episodes(model, records, group, tokenizer, budget=budget, temperature=temperature, top_p=top_p, chunk=chunk)
         transcripts = [turns.transcripts[key] for key, _ in finished]
         states = [state for _, state in finished]
         values = [check_score(self.spec.label, s["reward"], s["metrics"]) for s in states]
@@ -229,7 +339,6 @@ class EpisodeSampler:
         means.update(self.last)
         return Samples(records, [t.completion_ids for t in transcripts], [t.truncated for t in transcripts], texts, values, means,
                        model_masks=[t.model_mask for t in transcripts], logprobs=[t.logprobs for t in transcripts])
-
 
     def evaluate(self, model: torch.nn.Module, tokenizer: Any, records: list[dict[str, Any]], rewards: list[Reward], max_new_tokens: int) -> dict[str, float]:
         """Mean reward of one greedy episode per record (what `paths eval` and held-out rewards report)."""
@@ -258,6 +367,20 @@ def episode_sampler(run: Any, dataset: str, environments: list[dict[str, Any]]) 
     options = (dataset_manifest(run, dataset).get("fingerprint") or {}).get("options") or {}
     tokenizer, _ = run_tokenizer(run)
     return EpisodeSampler(episodic[0], template_of(tokenizer, options.get("chat_template"), f"dataset {dataset!r}"))
+
+
+def dataset_scoring(run: Any, dataset: str, names: list[str]) -> tuple[list[Reward], EpisodeSampler | None]:
+    """What a GRPO trainer or rollout worker scores `dataset` with: the rewards (`names`, else the
+    dataset's environments' own), and the sampler of its multi-turn environment, if it has one
+    (whose rubric then scores the episodes)."""
+    from paths.envs.spec import check_versions
+    from paths.work.rewards import load_reward, reward_specs
+    from sharding.dataset import dataset_manifest
+
+    environments = dataset_manifest(run, dataset).get("environments") or []
+    check_versions(environments, f"dataset {dataset!r}")
+    episodes = episode_sampler(run, dataset, environments)
+    return [load_reward(r) for r in reward_specs(names, environments, dataset, skip=episodes.spec.text if episodes else None)], episodes
 
 
 def last_model_turn(state: Any) -> str:

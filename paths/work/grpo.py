@@ -135,10 +135,14 @@ class Samples:
         for p in parts:
             for k, v in p.reward_means.items():
                 means.setdefault(k, []).append(v)
-        joined = lambda name: None if any(getattr(p, name) is None for p in parts) else [x for p in parts for x in getattr(p, name)]  # noqa: E731
+        def joined(name: str, fill: float) -> list[list[Any]] | None:  # episodes beside single completions: those are all the model's
+            if all(getattr(p, name) is None for p in parts):
+                return None
+            return [x for p in parts for x in (getattr(p, name) or [[fill] * len(c) for c in p.completion_ids])]
+
         return Samples([r for p in parts for r in p.records], [c for p in parts for c in p.completion_ids], [t for p in parts for t in p.truncated],
                        [t for p in parts for t in p.texts], [r for p in parts for r in p.rewards], {k: sum(v) / len(v) for k, v in means.items()},
-                       joined("model_masks"), joined("logprobs"))
+                       joined("model_masks", 1), joined("logprobs", 0.0))
 
 
 def sample_and_score(model: torch.nn.Module, records: list[dict[str, Any]], rewards: list[Reward], cfg: TrainConfig, tokenizer: Any) -> Samples:

@@ -269,7 +269,7 @@ def reward_specs(names: list[str], environments: list[dict[str, Any]], dataset: 
 def dataset_rewards(run: Any, dataset: str, names: list[str]) -> list[Reward]:
     """The rewards a prompt dataset is scored with: `names` (`env` for its environments), else its
     environments' own scorers, else math_answer; a multi-turn environment here is an error (its
-    episodes run in the trainer)."""
+    episodes need episodes.dataset_scoring)."""
     from sharding.dataset import dataset_manifest
 
     environments = dataset_manifest(run, dataset).get("environments") or []
@@ -278,7 +278,7 @@ def dataset_rewards(run: Any, dataset: str, names: list[str]) -> list[Reward]:
         from paths.envs.vf_env import is_episodic, load
 
         if episodic := next((e["spec"] for e in environments if e["spec"].startswith("verifiers:") and is_episodic(load(parse(e["spec"])))), None):
-            raise ConfigurationError(f"dataset {dataset!r} comes from the multi-turn environment {episodic!r}: its episodes run in `paths train` (rollout workers sample single turns)")
+            raise ConfigurationError(f"dataset {dataset!r} comes from the multi-turn environment {episodic!r}: its episodes run in `paths train` and `paths rollout`; rejection sampling takes single completions")
     return [load_reward(r) for r in reward_specs(names, environments, dataset)]
 
 

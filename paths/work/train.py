@@ -136,22 +136,18 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from paths.work.episodes import episode_sampler
     from paths.envs.spec import check_versions
-    from paths.work.rewards import load_reward, reward_specs
+    from paths.work.episodes import dataset_scoring
     from sharding.dataset import PathDataset, dataset_manifest, path_entry
 
     if mode not in ("lm", "sft", "grpo"):
         raise ConfigurationError(f"--mode {mode!r} is not a training mode: use lm, sft or grpo")
     if init not in ("base", "final"):
         raise ConfigurationError(f"--init must be base or final, got {init!r}")
-    environments = dataset_manifest(run, dataset).get("environments") or []
-    check_versions(environments, f"dataset {dataset!r}")
-    episodes = episode_sampler(run, dataset, environments) if mode == "grpo" else None  # a multi-turn environment: episodes in the trainer
-    rewards = reward_specs(rewards, environments, dataset, skip=episodes.spec.text if episodes else None)
-    reward_fns = [load_reward(r) for r in rewards] if mode == "grpo" else []
-    if episodes is not None and cfg.rollouts == "store":
-        raise ConfigurationError(f"dataset {dataset!r} comes from the multi-turn environment {episodes.spec.text!r}, whose episodes run in the trainer for now: drop --rollouts store")
+    check_versions(dataset_manifest(run, dataset).get("environments") or [], f"dataset {dataset!r}")
+    reward_fns, episodes = dataset_scoring(run, dataset, rewards) if mode == "grpo" else ([], None)  # episodes: a multi-turn environment's
+    if episodes is not None and cfg.rollouts == "store" and cfg.external:
+        raise ConfigurationError(f"dataset {dataset!r} comes from the multi-turn environment {episodes.spec.text!r}: SAPO's shared experience (external) takes single-turn batches; set external=0")
     if cfg.rollouts == "store" and mode != "grpo":
         raise ConfigurationError(f"--rollouts store feeds --mode grpo from rollout workers; --mode {mode} trains on the dataset itself")
     hf_logging.disable_progress_bar()
@@ -208,7 +204,7 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
                 if acc.num_processes > 1:
                     raise ConfigurationError("--rollouts store runs one trainer process per path (rollout workers scale out instead): launch it without accelerate's multi-process")
                 source = StoreRollouts(run, path_id, dataset, cfg, data.records, reward_fns, tokenizer, lambda: AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32),
-                                      device=acc.device)
+                                      device=acc.device, episodes=episodes)
                 summary_extra["rollouts"] = source.describe()
                 step, batches = AsyncGRPOStep(cfg, source, ref, dataset), source
                 extra.append(PolicyPublisher(run, path_id, cfg.max_async, source, cfg.grad_accum))

@@ -3,11 +3,15 @@
     rollouts/<path>/batches/<worker>/<n>.safetensors
       completion_ids   (N, C) int64, right-padded with -1       N = batch_size x group_size
       behaviour_logp   (N, C) float32, the sampler's log-probs of those tokens
+      model_mask       (N, C) int8, episodes only: 1 where the model sampled the token, 0 where
+                       the environment said it (behaviour log-prob 0), 0 in the padding
       metadata "paths" JSON: run, path, dataset, worker, the batch's position in the worker's
                        chain ("batch") and the digest of the one before it ("previous"), policy
                        version, its sha256 and nonce, prompt indices and their sha256, stated
                        rewards, dtype, sampling settings, the tensors' sha256, the worker's public
-                       key and its Ed25519 signature of all of the above
+                       key and its Ed25519 signature of all of the above; episodes also
+                       "environment" ("replayed", or "recorded" with each row's answers in
+                       "environment_messages")
 
 n is only a name (the worker's next free number); the chain is in the signed metadata.
 
@@ -68,6 +72,7 @@ class Batch:
     completion_ids: list[list[int]]
     behaviour_logp_NC: torch.Tensor
     size: int
+    model_masks: list[list[int]] | None = None  # episodes: per row, 1 for the model's tokens, 0 for the environment's
 
     @property
     def digest(self) -> str:
@@ -118,8 +123,9 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     return sha256(b"".join(tensors[k].numpy().tobytes() for k in sorted(tensors)))
 
 
-def encode(completion_ids: list[list[int]], behaviour_logp_NC: torch.Tensor, meta: dict[str, Any], key: Any = None) -> bytes:
-    """The batch object's bytes; signed with `key` (an Ed25519 private key) when given."""
+def encode(completion_ids: list[list[int]], behaviour_logp_NC: torch.Tensor, meta: dict[str, Any], key: Any = None, model_masks: list[list[int]] | None = None) -> bytes:
+    """The batch object's bytes; signed with `key` (an Ed25519 private key) when given; episodes
+    carry their `model_masks`."""
     from safetensors.torch import save
 
     from paths.work.rollouts.keys import public_hex, sign
@@ -129,6 +135,10 @@ def encode(completion_ids: list[list[int]], behaviour_logp_NC: torch.Tensor, met
     for i, c in enumerate(completion_ids):
         ids[i, : len(c)] = torch.tensor(c, dtype=torch.int64)
     tensors = {"completion_ids": ids, "behaviour_logp": behaviour_logp_NC.detach().to("cpu", torch.float32)[:, :width].contiguous()}
+    if model_masks is not None:
+        tensors["model_mask"] = torch.zeros((len(completion_ids), width), dtype=torch.int8)
+        for i, m in enumerate(model_masks):
+            tensors["model_mask"][i, : len(m)] = torch.tensor(m, dtype=torch.int8)
     meta = {**{k: v for k, v in meta.items() if k != "signature"}, "format": FORMAT, "tensors_sha256": tensors_digest(tensors), "key": public_hex(key) if key is not None else ""}
     if key is not None:
         meta["signature"] = sign(key, signed_message(meta))
@@ -180,11 +190,13 @@ def decode(data: bytes, key: str, max_bytes: int, signer: str | None = None) -> 
         tensors = load(data)
     except Exception as exc:  # safetensors raises its own errors for torn or hostile objects
         raise Rejected(f"not a readable safetensors object ({type(exc).__name__}: {str(exc)[:80]}): truncated or not a rollout batch", attributable=False) from None
-    if set(tensors) != {"completion_ids", "behaviour_logp"}:
-        raise Rejected(f"tensors {sorted(tensors)}; a rollout batch holds completion_ids and behaviour_logp", attributable=False)
-    ids, logp = tensors["completion_ids"], tensors["behaviour_logp"]
+    if set(tensors) - {"model_mask"} != {"completion_ids", "behaviour_logp"}:
+        raise Rejected(f"tensors {sorted(tensors)}; a rollout batch holds completion_ids and behaviour_logp (and model_mask, for episodes)", attributable=False)
+    ids, logp, mask = tensors["completion_ids"], tensors["behaviour_logp"], tensors.get("model_mask")
     if ids.dtype != torch.int64 or logp.dtype != torch.float32 or ids.dim() != 2 or ids.shape != logp.shape:
         raise Rejected(f"completion_ids {tuple(ids.shape)} {ids.dtype} and behaviour_logp {tuple(logp.shape)} {logp.dtype}: want (N, C) int64 and float32", attributable=False)
+    if mask is not None and (mask.dtype != torch.int8 or mask.shape != ids.shape):
+        raise Rejected(f"model_mask {tuple(mask.shape)} {mask.dtype}: want (N, C) int8, as completion_ids", attributable=False)
     if tensors_digest(tensors) != meta.get("tensors_sha256"):
         raise Rejected("tensors do not match their sha256: corrupted or edited", attributable=False)
     lengths = (ids >= 0).sum(1)
@@ -196,10 +208,16 @@ def decode(data: bytes, key: str, max_bytes: int, signer: str | None = None) -> 
     if meta["policy_version"] < 0 or meta["batch"] < 0 or len(meta["prompt_sha256"]) != len(meta["prompt_index"]):
         raise Rejected(f"policy version {meta['policy_version']}, batch {meta['batch']}, or prompt fields of different lengths", attributable=signed)
     completions = [row[: int(n)].tolist() for row, n in zip(ids, lengths)]
-    return Batch(key, meta, completions, logp, len(data))
+    masks = None
+    if mask is not None:
+        if bool(((mask != 0) & (mask != 1)).any()) or bool(((ids < 0) & (mask != 0)).any()):
+            raise Rejected("model_mask holds values other than 0 and 1, or marks padding", attributable=signed)
+        masks = [row[: int(n)].tolist() for row, n in zip(mask, lengths)]
+    return Batch(key, meta, completions, logp, len(data), masks)
 
 
-def batch_bytes_limit(cfg: Any) -> int:
-    """The largest honest batch of these settings: its tensors, plus room for the metadata."""
+def batch_bytes_limit(cfg: Any, episodes: bool = False) -> int:
+    """The largest honest batch of these settings: its tensors, plus room for the metadata (for
+    episodes, their masks and recorded environment answers too)."""
     n = cfg.batch_size * cfg.group_size
-    return n * cfg.max_new_tokens * (8 + 4) + 64 * 1024 + 2 * n * 64
+    return n * cfg.max_new_tokens * (8 + 4 + episodes) + 64 * 1024 + 2 * n * 64 + episodes * MAX_HEADER // 2

@@ -39,6 +39,9 @@ def take_external(src: Any, groups: int) -> Samples | None:
         except (Rejected, PathsError):
             src.external[o.key] = -1
             continue  # not readable, or a path whose prompts this trainer cannot read: not shared experience
+        if batch.model_masks is not None:
+            src.external[o.key] = -1
+            continue  # episodes: only their environment can score them
         g, index, shas = batch.meta["group_size"], batch.meta["prompt_index"], batch.meta["prompt_sha256"]
         while used < len(index) and len(records) < groups:
             i = index[used]

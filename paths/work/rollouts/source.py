@@ -69,6 +69,7 @@ class StoreRollouts:
     tokenizer: Any
     make_model: Callable[[], torch.nn.Module]  # a fresh fp32 model of the path (to recompute what workers sampled)
     device: Any = "cpu"  # where the checks run (int8 ones on the CPU)
+    episodes: Any = None  # a multi-turn environment's EpisodeSampler: batches of episodes, replayed to be checked
     steps: int = 0
     consumed: list[str] = field(default_factory=list)
     discarded: list[str] = field(default_factory=list)
@@ -88,7 +89,8 @@ class StoreRollouts:
     _held: dict[str, tuple[Batch, str]] = field(default_factory=dict)  # read and well signed, not resolved yet: never read twice
 
     def __post_init__(self) -> None:
-        self.verifier = BatchVerifier(self.run, self.path, self.dataset, run_id(self.run), self.cfg, self.records, self.rewards, self.tokenizer, self.make_model, self.device)
+        self.verifier = BatchVerifier(self.run, self.path, self.dataset, run_id(self.run), self.cfg, self.records, self.rewards, self.tokenizer, self.make_model, self.device,
+                                      self.episodes)
         self.allow = read_allowlist(self.run)  # a malformed allowlist stops the trainer before it starts
         if not self.allow.open and not any(w.active for w in self.allow.workers.values()):
             log.warning("no rollout worker is admitted to %s: admit one with `paths keys admit RUN --name NAME --key PUBLIC` (or `paths keys open RUN`); "
@@ -214,7 +216,7 @@ class StoreRollouts:
     def _read(self, key: str, folder: str, who: tuple[str, str | None], size: int, stats: dict[str, float]) -> Batch | None:
         """The batch at `key` decoded, its signature checked, meant for this run, path and dataset;
         None when rejected (recorded) or gone."""
-        limit = batch_bytes_limit(self.cfg)
+        limit = batch_bytes_limit(self.cfg, self.episodes is not None)
         try:
             if who[0] == "revoked":
                 raise Rejected("written under a revoked worker key: not read", attributable=False)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from paths.work.grpo import GRPOStep, Samples, grpo_backward, logprobs_in_chunks, sample_and_score, to_rollout
+from paths.work.grpo import GRPOStep, Samples, grpo_backward, logprobs_in_chunks, to_rollout
 from paths.work.rollouts.sapo import take_external
 from paths.work.rollouts.seeds import pick_prompts
 from paths.work.rollouts.source import StoreRollouts
@@ -20,7 +20,7 @@ class AsyncGRPOStep(GRPOStep):
     """grad_accum batches from the store (or sampled here), SAPO's external groups, one update."""
 
     def __init__(self, cfg: Any, source: StoreRollouts, ref_model: torch.nn.Module | None = None, dataset: str = "?"):
-        super().__init__(cfg, source.records, source.rewards, source.tokenizer, ref_model, dataset)
+        super().__init__(cfg, source.records, source.rewards, source.tokenizer, ref_model, dataset, sampler=source.episodes)
         self.source = source
         self.checkpoint_multiple = 1
 
@@ -37,7 +37,7 @@ class AsyncGRPOStep(GRPOStep):
             for k in range(own):
                 seed = hashlib.sha256(f"trainer-{src.path}/{src.steps * cfg.grad_accum + k}".encode()).digest()
                 picked = pick_prompts(seed, cfg.batch_size, len(src.records))
-                samples = sample_and_score(policy, [src.records[i] for i in picked], self.rewards, cfg, self.tokenizer)
+                samples = self.sample(policy, [src.records[i] for i in picked], self.rewards, cfg, self.tokenizer)
                 parts.append(samples)
                 behaviour += [None] * len(samples.completion_ids)
                 versions.append(src.steps)

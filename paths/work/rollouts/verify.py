@@ -15,6 +15,13 @@ tolerances per dtype are measured in bench/verify_rollouts.py). The behaviour lo
 checked tokens are compared token by token. A moved, edited, invented or cherry-picked completion
 is not what its seeds draw: it misses at the first position where the model was not certain.
 
+Episodes (a multi-turn environment): the model's tokens are checked as above, each against its
+seeded number for its position in the episode; the environment's are not drawn from the policy.
+The trainer replays every episode (episodes.py `EpisodeSampler.replay`): verifiers runs it again
+with the batch's model turns, the environment answering anew (or, for an environment that says
+it is not deterministic, from the answers the batch recorded); the transcript must come out token
+for token as the batch's, and the rubric scores the replayed episode.
+
 How many rows: the fewest k of N such that a batch with a `forged_share` of forged rows is
 rejected with probability >= `goal` (hypergeometric: no forged row among k draws).
 """
@@ -28,6 +35,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from paths.errors import DataError
 from paths.work.grpo import Samples, completion_logits, pack, score_samples
 from paths.work.rollouts.batch import DTYPES, Batch, Rejected, prompt_sha
 from paths.work.rollouts.policy import copy_as, load_version
@@ -117,11 +125,25 @@ def check_structure(batch: Batch, max_new_tokens: int, eos: int, vocab: int) -> 
             raise Rejected(f"row {r}: behaviour log-probs are not finite, or above 0")
 
 
+def check_episode_structure(batch: Batch, max_new_tokens: int, vocab: int) -> None:
+    """Every episode: 1 to max_new_tokens tokens, ids in the vocabulary, finite behaviour log-probs
+    <= 0 on the model's tokens and 0 on the environment's (the replay checks the rest)."""
+    for r, (c, mask) in enumerate(zip(batch.completion_ids, batch.model_masks or [])):
+        if not 0 < len(c) <= max_new_tokens or not any(mask):
+            raise Rejected(f"row {r}: {len(c)} tokens ({sum(mask)} the model's), not 1 to max_new_tokens {max_new_tokens} with a model turn")
+        if min(c) < 0 or max(c) >= vocab:
+            raise Rejected(f"row {r}: token ids outside the vocabulary of {vocab}")
+        logp, model = batch.behaviour_logp_NC[r, : len(c)], torch.tensor(mask, dtype=torch.bool)
+        if not bool(torch.isfinite(logp).all()) or bool((logp > 1e-4).any()) or bool((logp[~model] != 0).any()):
+            raise Rejected(f"row {r}: behaviour log-probs are not finite, above 0, or not 0 on the environment's tokens")
+
+
 def position_misses(model: torch.nn.Module, records: list[dict[str, Any]], completions: list[list[int]], uniforms_NC: torch.Tensor, behaviour_NC: torch.Tensor,
-                    temperature: float, top_p: float, pad_id: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per completion, one teacher-forced pass: at each position, how far (in probability mass)
-    the seeded point u x total lies from the stated token's CDF interval (0 inside), whether it
-    lies inside, and |p_stated - p_model| of the token's behaviour probability."""
+                    temperature: float, top_p: float, pad_id: int, model_masks: list[list[int]] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per completion, one teacher-forced pass: at each of the model's positions (all, or those
+    `model_masks` marks), how far (in probability mass) the seeded point u x total lies from the
+    stated token's CDF interval (0 inside), whether it lies inside, and |p_stated - p_model| of the
+    token's behaviour probability."""
     ids, attention, p, _ = pack(records, completions, 1, pad_id, torch.device("cpu"))
     vocab = int(model.config.vocab_size)
     per = max(1, POSITIONS_PER_CHUNK // max(1, vocab * ids.shape[1]))
@@ -140,7 +162,11 @@ def position_misses(model: torch.nn.Module, records: list[dict[str, Any]], compl
                 miss_C = ((lo_C - x_C).clamp(min=0) + (x_C - hi_C).clamp(min=0)) / total_C
                 miss_C = torch.where(hi_C > lo_C, miss_C, torch.ones_like(miss_C))  # a token outside the nucleus (probability 0) is never drawn
                 mine_C = torch.log_softmax(logits_KCV[j, :length] / temperature, -1).gather(1, token_C[:, None]).squeeze(1)
-                yield miss_C, inside_C, (mine_C.exp() - behaviour_NC[r, :length].exp()).abs()
+                gap_C = (mine_C.exp() - behaviour_NC[r, :length].exp()).abs()
+                if model_masks is not None:  # the environment's tokens were not drawn from the policy
+                    model_C = torch.tensor(model_masks[r], dtype=torch.bool)
+                    miss_C, inside_C, gap_C = miss_C[model_C], inside_C[model_C], gap_C[model_C]
+                yield miss_C, inside_C, gap_C
 
 
 class BatchVerifier:
@@ -148,8 +174,9 @@ class BatchVerifier:
     per (policy version, dtype) to recompute what workers sampled."""
 
     def __init__(self, run: Run, path: str, dataset: str, run_id: str, cfg: Any, records: list[dict[str, Any]], rewards: list[Any], tokenizer: Any,
-                 make_model: Callable[[], torch.nn.Module], device: torch.device | str = "cpu"):
+                 make_model: Callable[[], torch.nn.Module], device: torch.device | str = "cpu", episodes: Any = None):
         self.device = torch.device(device)
+        self.episodes = episodes  # the dataset's multi-turn environment (an EpisodeSampler), to replay episodes with
         self.run, self.path, self.dataset, self.run_id, self.cfg = run, path, dataset, run_id, cfg
         self.records, self.rewards, self.tokenizer, self.make_model = records, rewards, tokenizer, make_model
         self.rows = rows_to_verify(cfg.batch_size * cfg.group_size, cfg.verify_forged_share, cfg.verify_goal, cfg.verify_rows)
@@ -204,13 +231,21 @@ class BatchVerifier:
         if meta["prompt_sha256"] != [prompt_sha(r) for r in records]:
             raise Rejected("prompts differ from the path's own prompts (another shard?)")
         self.model(batch.version, meta["dtype"])  # loads the version: the vocabulary is known from here on
-        check_structure(batch, cfg.max_new_tokens, tok.eos_token_id, self.vocab)
+        if (batch.model_masks is not None) != (self.episodes is not None):
+            raise Rejected("episodes (with a model_mask) in a batch of single completions, or the other way round: not this dataset's rollouts")
+        if self.episodes is None:
+            check_structure(batch, cfg.max_new_tokens, tok.eos_token_id, self.vocab)
+        else:
+            check_episode_structure(batch, cfg.max_new_tokens, self.vocab)
         group = cfg.group_size
         hashes = [row_hash(records[r // group]["ids"], c, seed, r) for r, c in enumerate(batch.completion_ids)]
         if any(seen_rows(h) for h in hashes) or len(set(hashes)) != n:
             raise Rejected("holds rows the trainer has already taken (replay)")
-        truncated = [c[-1] != tok.eos_token_id for c in batch.completion_ids]
-        samples = score_samples(records, batch.completion_ids, truncated, self.rewards, cfg, tok)  # the stated rewards are never used
+        if self.episodes is not None:
+            samples = self._replay(batch, records)
+        else:
+            truncated = [c[-1] != tok.eos_token_id for c in batch.completion_ids]
+            samples = score_samples(records, batch.completion_ids, truncated, self.rewards, cfg, tok)  # the stated rewards are never used
         stated = meta["rewards"]
         if not isinstance(stated, list) or len(stated) != n or any(not isinstance(s, (int, float)) or abs(float(s) - v) > 1e-6 for s, v in zip(stated, samples.rewards)):
             raise Rejected("stated rewards differ from what the trainer's verifiers give the completions (forged)")
@@ -218,14 +253,34 @@ class BatchVerifier:
         lengths = [len(c) for c in batch.completion_ids]
         return Verified(batch.key, batch.worker, batch.version, samples, [batch.behaviour_logp_NC[i, :l].tolist() for i, l in enumerate(lengths)], hashes, check)
 
+    def _replay(self, batch: Batch, records: list[dict[str, Any]]) -> Samples:
+        """The batch's episodes replayed and scored by the trainer (Rejected when they come out otherwise)."""
+        from paths.work.episodes import Diverged
+
+        meta, episodes = batch.meta, self.episodes
+        want = "replayed" if episodes.deterministic else "recorded"
+        if meta.get("environment") != want:
+            raise Rejected(f"environment {meta.get('environment')!r}: this trainer's {episodes.spec.text} is {'' if episodes.deterministic else 'not '}deterministic, "
+                           f"so its batches say {want!r}")
+        played = meta.get("environment_messages") if want == "recorded" else None
+        if want == "recorded" and not (isinstance(played, list) and len(played) == len(batch.completion_ids) and all(isinstance(p, list) for p in played)):
+            raise Rejected("environment_messages: want one list of the environment's answers per row")
+        try:
+            return episodes.replay(records, self.rewards, self.tokenizer, self.cfg.group_size, self.cfg.max_new_tokens, batch.completion_ids, batch.model_masks, played)
+        except Diverged as exc:
+            raise Rejected(f"{exc}: not what its model turns and the environment give") from None
+        except DataError as exc:  # the environment or its rubric failed on the batch's turns: they would have on the worker too
+            raise Rejected(f"its episodes cannot be replayed ({exc})") from None
+
     def check_seeds(self, batch: Batch, records: list[dict[str, Any]], seed: bytes, rows: list[int], tol: Tolerance | None = None) -> SeedCheck:
         """The seed check of `rows` (Rejected beyond the dtype's tolerance, or `tol`)."""
         cfg, version, dtype = self.cfg, batch.version, batch.meta["dtype"]
         tol = tol or TOLERANCES[dtype]
         u_all = row_uniforms(seed, len(batch.completion_ids), cfg.max_new_tokens)
         seen = SeedCheck(rows=len(rows))
+        masks = None if batch.model_masks is None else [batch.model_masks[r] for r in rows]
         found = position_misses(self.model(version, dtype), [records[r // cfg.group_size] for r in rows], [batch.completion_ids[r] for r in rows], u_all[rows],
-                                batch.behaviour_logp_NC[rows], cfg.temperature, cfg.top_p, self.tokenizer.pad_token_id)
+                                batch.behaviour_logp_NC[rows], cfg.temperature, cfg.top_p, self.tokenizer.pad_token_id, masks)
         for r, (miss_C, inside_C, gap_C) in zip(rows, found):
             if not bool(torch.isfinite(miss_C).all() and torch.isfinite(gap_C).all()):
                 raise Rejected(f"policy version {version} gives non-finite probabilities on row {r}: it cannot be checked", attributable=False)

@@ -113,11 +113,12 @@ def _prompts(run: Run, path: str, dataset: str) -> list[dict[str, Any]]:
 
 
 def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Reward], *, worker: str | None = None, key: Any = None, dtype: str = "fp32",
-                   batches: int = 1, wait: float = 600.0, on_batch: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                   batches: int = 1, wait: float = 600.0, on_batch: Callable[[dict[str, Any]], None] | None = None, episodes: Any = None) -> dict[str, Any]:
     """Write `batches` rollout batches of `path` (each: batch_size prompts x group_size completions
     drawn from its seeds with the newest policy version in `dtype`, signed with `key`), reloading
     whenever the policy moved on and dropping a batch that would arrive more than max_async
-    versions late; stop early once the path's training is done. Returns a summary."""
+    versions late; stop early once the path's training is done. `episodes` (an EpisodeSampler):
+    a multi-turn environment's dataset, each completion an episode. Returns a summary."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -174,13 +175,8 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
             seed = batch_seed(loaded["nonce"], name, public, position)
             picked = pick_prompts(seed, cfg.batch_size, len(records))
             recs = [records[i] for i in picked]
-            with torch.inference_mode():
-                completion_ids, truncated = complete(model, recs, cfg.group_size, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                                                     chunk=cfg.generation_batch_size or cfg.batch_size * cfg.group_size,
-                                                     uniforms=row_uniforms(seed, cfg.batch_size * cfg.group_size, cfg.max_new_tokens))
-                ids, attention, p, _ = pack(recs, completion_ids, cfg.group_size, tokenizer.pad_token_id, torch.device("cpu"))
-                logp = logprobs_in_chunks(model, ids, attention, p, cfg.temperature, cfg.batch_size * cfg.group_size)
-            samples = score_samples(recs, completion_ids, truncated, rewards, cfg, tokenizer)
+            samples, logp, extra = _sample(model, recs, rewards, cfg, tokenizer, row_uniforms(seed, cfg.batch_size * cfg.group_size, cfg.max_new_tokens), episodes)
+            completion_ids = samples.completion_ids
             seconds += time.perf_counter() - t0
             now = latest(run, path)
             if now is not None and int(now["version"]) - int(loaded["version"]) > int(now.get("max_async", cfg.max_async)):
@@ -188,8 +184,8 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
                 continue
             meta = {"run": rid, "path": path, "dataset": dataset, "worker": name, "batch": position, "previous": previous, "policy_version": int(loaded["version"]), "policy_sha256": loaded["sha256"],
                     "nonce": loaded["nonce"], "dtype": dtype, "prompt_index": picked, "prompt_sha256": [prompt_sha(r) for r in recs], "rewards": samples.rewards,
-                    "group_size": cfg.group_size, "temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens, "at": time.time()}
-            data = encode(completion_ids, logp, meta, key if public else None)
+                    "group_size": cfg.group_size, "temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens, "at": time.time(), **extra}
+            data = encode(completion_ids, logp, meta, key if public else None, samples.model_masks)
             while True:
                 try:
                     run.store.put_if_absent(batch_key(run, path, name, index), data)
@@ -204,3 +200,27 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
                 "tokens_per_s": tokens / max(1e-9, seconds), "last_version": loaded["version"] if loaded else None}
     finally:
         shutil.rmtree(local, ignore_errors=True)
+
+
+def _sample(model: torch.nn.Module, records: list[dict[str, Any]], rewards: list[Reward], cfg: Any, tokenizer: Any, uniforms: torch.Tensor,
+            episodes: Any) -> tuple[Any, torch.Tensor, dict[str, Any]]:
+    """A batch's scored samples, drawn with its seeded numbers; their behaviour log-probs (N, C); and
+    the metadata an episode batch adds (whether the trainer replays the environment or takes its
+    recorded answers)."""
+    chunk = cfg.generation_batch_size or cfg.batch_size * cfg.group_size
+    if episodes is not None:
+        with torch.inference_mode():
+            samples = episodes.samples(model, records, rewards, tokenizer, group=cfg.group_size, budget=cfg.max_new_tokens, temperature=cfg.temperature,
+                                       top_p=cfg.top_p, chunk=chunk, uniforms=uniforms)
+        logp = torch.zeros((len(samples.logprobs), max(1, max(len(r) for r in samples.logprobs))))
+        for i, row in enumerate(samples.logprobs):
+            logp[i, : len(row)] = torch.tensor(row)
+        keys = [f"{i}.{k}" for i in range(len(records)) for k in range(cfg.group_size)]
+        said = {"environment": "replayed"} if episodes.deterministic else {"environment": "recorded", "environment_messages": [episodes.said.get(k, []) for k in keys]}
+        return samples, logp, said
+    with torch.inference_mode():
+        completion_ids, truncated = complete(model, records, cfg.group_size, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                                             chunk=chunk, uniforms=uniforms)
+        ids, attention, p, _ = pack(records, completion_ids, cfg.group_size, tokenizer.pad_token_id, torch.device("cpu"))
+        logp = logprobs_in_chunks(model, ids, attention, p, cfg.temperature, cfg.batch_size * cfg.group_size)
+    return score_samples(records, completion_ids, truncated, rewards, cfg, tokenizer), logp, {}

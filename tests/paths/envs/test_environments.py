@@ -175,16 +175,16 @@ def test_an_episode_that_outgrows_its_budget_is_cut_and_counted(tool_model, tmp_
         assert len(samples.model_masks[0]) == budget and (budget == 10) == all(samples.model_masks[0])
 
 
-def test_grpo_runs_episodes_in_the_trainer_and_rollout_workers_refuse_them(tool_model):
+def test_grpo_runs_episodes_in_the_trainer(tool_model):
     run, path = tool_model
     cfg = load_config(sets=["batch_size=1", "group_size=4", "max_new_tokens=96", "warmup_steps=1", "checkpoint_every=0", "temperature=1.0"], steps=2)
     train(run, path, "grpo", "tools", cfg, None, show_progress=False, init="final")
     last = metrics(run, path)[-1]
     assert last["episode/turns"] >= 1 and "reward/verifiers:calc_tools/correct" in last
-    with pytest.raises(ConfigurationError, match="episodes run in `paths train`"):
+    with pytest.raises(ConfigurationError, match="rejection sampling takes single completions"):
         dataset_rewards(run, "tools", [])
-    with pytest.raises(ConfigurationError, match="drop --rollouts store"):
-        train(run, path, "grpo", "tools", load_config(sets=["rollouts=store"], steps=1), None, show_progress=False)
+    with pytest.raises(ConfigurationError, match="SAPO's shared experience"):
+        train(run, path, "grpo", "tools", load_config(sets=["rollouts=store", "external=1"], steps=1), None, show_progress=False)
 
 
 # -- mixtures ---------------------------------------------------------------------------------------
@@ -295,3 +295,64 @@ def test_a_single_turn_environment_feeds_the_trainer_through_rollout_workers(run
     train(run, "p00", "grpo", "rl", load_config(sets=[*FAST_STORE, *STORE], steps=2), None, show_progress=False)
     assert not rejections(run) and [m["store_batches"] for m in metrics(run, "p00")] == [1, 1]
     assert "reward/verifiers:calc_single" in metrics(run, "p00")[-1]
+
+
+EPISODES = ["batch_size=1", "group_size=4", "max_new_tokens=96", "temperature=1.0", "warmup_steps=1", "checkpoint_every=0", "rollouts=store", "max_async=10",
+            "rollout_wait=0", "verify_rows=4"]
+
+
+@pytest.mark.parametrize("spec", ["verifiers:calc_tools:n=1,eval_n=1", "verifiers:tests.paths.envs.recorded_env:n=1,eval_n=1"], ids=["replayed", "recorded"])
+def test_episodes_feed_the_trainer_through_rollout_workers_and_a_changed_environment_answer_is_caught(tool_model, tmp_path, spec):
+    """Workers sample tool episodes from their seeds; the trainer replays each one (the environment
+    answering anew, or from the answers the batch recorded when it is not deterministic), seed-checks
+    the model's tokens and learns from them. An environment answer changed in a batch, its signature
+    renewed, is rejected."""
+    from paths.work.episodes import dataset_scoring
+    from paths.work.rollouts import batch_key, decode, encode, publish, rollout_worker
+    from tests.paths.work.rollouts.conftest import SALT, keyed, rejections
+
+    run, path = tool_model
+    dataset = "tools-" + spec.split(":")[1].split(".")[-1]
+    shard(run, ShardOptions(dataset=dataset, inputs=[spec], kind="prompts"))
+    model, _ = _final(run, path, tmp_path)
+    for folder in ("policy", "rollouts"):  # a fresh asynchronous run of the path, from its trained weights
+        for o in run.store.list(f"{folder}/{path}"):
+            run.store.delete(o.key)
+    publish(run, path, 0, model, SALT, max_async=10, step=0)
+    cfg = load_config(sets=EPISODES, mode="grpo")
+    rewards, episodes = dataset_scoring(run, dataset, [])
+    key = keyed(run, tmp_path, f"w-{dataset}")
+    rollout_worker(run, path, dataset, cfg, rewards, key=key, worker=f"w-{dataset}", batches=2, wait=5, episodes=episodes)
+    honest = decode(run.store.read(batch_key(run, path, f"w-{dataset}", 0)), "k", 1 << 30)
+    assert honest.model_masks is not None and any(0 in m for m in honest.model_masks) and honest.meta["environment"] == ("recorded" if "recorded" in spec else "replayed")
+    if "recorded" in spec:
+        assert any(said and said[0][0]["role"] == "tool" for said in honest.meta["environment_messages"])
+    # the second batch: the number the tool answered raised by one in its tokens
+    k = batch_key(run, path, f"w-{dataset}", 1)
+    forged = decode(run.store.read(k), k, 1 << 30)
+    tok = episodes_tokenizer(run, path, tmp_path)
+    rows = [list(c) for c in forged.completion_ids]
+    r = next(i for i, m in enumerate(forged.model_masks) if 0 in m)
+    start = forged.model_masks[r].index(0)
+    env_text = tok.decode(rows[r][start : start + forged.model_masks[r][start:].index(1)])
+    number = int(env_text.split("<|tool|>")[1].split("</s>")[0])
+    changed = tok(env_text.replace(str(number), str(number + 1)), add_special_tokens=False)["input_ids"]
+    rows[r] = rows[r][:start] + changed + rows[r][start + forged.model_masks[r][start:].index(1) :]
+    masks = [list(m) for m in forged.model_masks]
+    masks[r] = masks[r][:start] + [0] * len(changed) + masks[r][start + forged.model_masks[r][start:].index(1) :]
+    logp = torch.zeros(len(rows), max(map(len, rows)))
+    for i, (row, m) in enumerate(zip(rows, masks)):
+        old = [v for v, keep in zip(forged.behaviour_logp_NC[i].tolist(), forged.model_masks[i]) if keep]
+        logp[i, [j for j, keep in enumerate(m) if keep]] = torch.tensor(old)
+    run.store.write(k, encode(rows, logp, forged.meta, key, masks))
+    train(run, path, "grpo", dataset, load_config(sets=EPISODES, steps=2), None, show_progress=False, init="final")
+    got = rejections(run) if path == "p00" else {x["key"]: x for x in (json.loads(run.store.read(o.key)) for o in run.store.list(f"rollouts/{path}/rejected"))}
+    assert list(got) == [k] and ("differs from the batch's" in got[k]["reason"] or "not in the batch" in got[k]["reason"]), got
+    steps = metrics(run, path)[-2:]
+    assert [m["store_batches"] for m in steps] == [1, 0] and steps[0]["episode/turns"] > 1 and steps[0]["episode/environment_tokens"] > 0
+
+
+def episodes_tokenizer(run, path, tmp_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tmp_path / "final"))
