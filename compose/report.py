@@ -1,7 +1,8 @@
 """`paths report`: one self-contained HTML page of a run, with its charts beside it as PNGs.
 
 What it shows, each read from the run (local folder or S3) and nothing else:
-- loss curves per unit (lm, sft, finetune-moe) and reward curves (grpo), from work/<unit>/metrics.jsonl;
+- loss curves per unit (lm, sft, finetune-moe) and reward curves (grpo), from work/<unit>/metrics.jsonl,
+  and for GRPO on a mixture each source's reward, length, truncation and share;
 - documents and tokens per path from each dataset's manifest (the routing histogram);
 - a timeline of the claims: which worker held which path when, takeovers marked (claims/*.json
   and the tenures each record keeps in its history);
@@ -271,6 +272,25 @@ def _units_table(units: dict[str, dict[str, Any]], claims: dict[str, dict[str, A
     return _table(["unit", "training", "dataset", "steps", "tokens", "last loss", "last reward", "claim", "final"], rows)
 
 
+def _sources_table(units: dict[str, dict[str, Any]]) -> str:
+    """GRPO on a mixture: each source's reward, completion length, truncation and share, averaged
+    over the unit's steps (the `source/<env>/...` metrics)."""
+    rows = []
+    for name, unit in sorted(units.items()):
+        found: dict[str, dict[str, list[float]]] = {}
+        for m in unit["metrics"]:
+            for k, v in m.items():
+                if k.startswith("source/") and isinstance(v, (int, float)):
+                    source, what = k[len("source/") :].rsplit("/", 1)
+                    found.setdefault(source, {}).setdefault(what, []).append(float(v))
+        for source, got in sorted(found.items()):
+            mean = lambda what: sum(got[what]) / len(got[what]) if got.get(what) else None  # noqa: E731
+            rows.append([name, source, len(got.get("reward", [])), mean("reward"), mean("length"), mean("truncated"), mean("share")])
+    if not rows:
+        return ""
+    return "<h3>Mixtures: per source, mean over steps</h3>" + _table(["unit", "source", "steps", "reward", "length", "truncated", "share"], rows)
+
+
 def _eval_tables(evals: list[dict[str, Any]]) -> str:
     parts = []
     for e in evals:
@@ -320,6 +340,7 @@ def render(facts: dict[str, Any], images: dict[str, bytes], missing: list[str]) 
     sections.append("<h2>Training</h2>")
     if facts["units"]:
         sections.append(_units_table(facts["units"], facts["claims"]))
+        sections.append(_sources_table(facts["units"]))
     sections += [img[k] for k in ("loss", "reward") if k in img]
     if facts["datasets"]:
         sections.append("<h2>Routing: documents and tokens per path</h2>")

@@ -21,8 +21,9 @@ batch with `Replay`: verifiers runs each episode again, the model's turns taken 
 (each must be what a sampler stops at: up to EOS, or the token budget), the environment's answers
 computed anew; the replayed transcript must equal the batch's token for token, and the rubric
 scores the replayed episode. An environment that says it is not deterministic (`deterministic =
-False` on it) has its answers recorded by the worker (`Said`) and played back on the trainer, which
-then trusts the worker for what the environment said (README: what stays trusted).
+False` on it) has its answers recorded by the worker (`environment_answers`) and played back
+on the trainer, which then trusts the worker for what the environment said (README: what stays
+trusted).
 """
 
 from __future__ import annotations

@@ -188,7 +188,7 @@ def test_grpo_runs_episodes_in_the_trainer(tool_model):
 
 
 # -- mixtures ---------------------------------------------------------------------------------------
-def test_a_mixture_scores_each_source_with_its_own_scorer_and_reports_each(run):
+def test_a_mixture_scores_each_source_with_its_own_scorer_and_reports_each(run, tmp_path):
     shard(run, ShardOptions(dataset="mix", inputs=[GYM, SINGLE], kind="prompts"))
     recs = records(run, "mix")
     assert {r["env"] for r in recs} == {"reasoning-gym:basic_arithmetic", "verifiers:calc_single"}
@@ -204,6 +204,10 @@ def test_a_mixture_scores_each_source_with_its_own_scorer_and_reports_each(run):
     last = metrics(run, path)[-1]
     sources = {k.split("/")[1] for k in last if k.startswith("source/")}
     assert sources <= {"reasoning-gym:basic_arithmetic", "verifiers:calc_single"} and sources, last
+    result = CliRunner().invoke(main, ["report", run.url, "--out", str(tmp_path / "report")])
+    assert result.exit_code == 0, result.output
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert "Mixtures: per source" in page and all(s in page for s in sources)
 
 
 # -- bad input ---------------------------------------------------------------------------------------
