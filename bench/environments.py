@@ -15,7 +15,10 @@ and the throughput of multi-turn episodes.
    mostly with the wrong numbers) runs G episodes of every prompt of `verifiers:calc_tools`
    through verifiers' rollout loop; reported: model tokens/s, environment tokens, turns per episode
    and batched forwards, against single-turn sampling of the same model and prompts at the same
-   budget (`complete`, the peer being our own direct path).
+   budget (`complete`, the peer being our own direct path). Also timed: the trainer's replay of
+   those episodes (what `--rollouts store` does to every episode batch of a rollout worker:
+   verifiers runs each episode again with the batch's model turns, the environment answering
+   anew, and the rubric scores it), as a share of the worker's sampling time.
 Appended to bench/out/environments.jsonl.
 """
 
@@ -117,7 +120,7 @@ def multi_turn(run, work: str, a) -> dict:
     model, tok = AutoModelForCausalLM.from_pretrained(final), AutoTokenizer.from_pretrained(final)
     sampler = episode_sampler(run, "tools", dataset_manifest(run, "tools")["environments"])
     budget = 96
-    ep_s, ep_tokens, direct_s, direct_tokens = [], 0, [], 0
+    ep_s, ep_tokens, direct_s, direct_tokens, replay_s = [], 0, [], 0, []
     for _ in range(a.repeats):
         torch.manual_seed(0)
         t0 = time.perf_counter()
@@ -129,9 +132,14 @@ def multi_turn(run, work: str, a) -> dict:
         ids, _ = complete(model, records, a.group, tok, max_new_tokens=budget, temperature=1.0, chunk=len(records) * a.group)
         direct_s.append(time.perf_counter() - t0)
         direct_tokens = sum(len(c) for c in ids)
+        t0 = time.perf_counter()
+        replayed = sampler.replay(records, [], tok, a.group, budget, s.completion_ids, s.model_masks, None)
+        replay_s.append(time.perf_counter() - t0)
+        assert replayed.rewards == s.rewards, "the replay scored the episodes otherwise"
     e, d = statistics.median(ep_s), statistics.median(direct_s)
     return {"episodes": len(records) * a.group, "model_tokens": ep_tokens, "episode_seconds": e, "model_tokens_per_s": ep_tokens / e, "direct_tokens": direct_tokens,
-            "direct_seconds": d, "direct_tokens_per_s": direct_tokens / d, "ratio": (ep_tokens / e) / (direct_tokens / d), "mean_reward": sum(s.rewards) / len(s.rewards), **stats}
+            "direct_seconds": d, "direct_tokens_per_s": direct_tokens / d, "ratio": (ep_tokens / e) / (direct_tokens / d),
+            "replay_seconds": statistics.median(replay_s), "replay_share": statistics.median(replay_s) / e, "mean_reward": sum(s.rewards) / len(s.rewards), **stats}
 
 
 def main() -> None:
@@ -166,6 +174,7 @@ def main() -> None:
           f"mean reward {multi['mean_reward']:.3f}")
     print(f"  episodes {multi['model_tokens_per_s']:9.0f} model tokens/s; single-turn sampling of the same prompts {multi['direct_tokens_per_s']:9.0f} tokens/s: "
           f"{multi['ratio']:.2f}x")
+    print(f"  the trainer's replay of those episodes (rollout workers' batches): {multi['replay_seconds']:.3f} s, {multi['replay_share']:.1%} of the episodes' sampling time")
     os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "out", "environments.jsonl"), "a") as f:
         f.write(json.dumps({"at": time.time(), "args": vars(a), "single_turn": single, "multi_turn": multi}) + "\n")
