@@ -30,9 +30,13 @@ def moved(meta, completions, model, tokenizer, prompts):
 
 
 def edited(meta, completions, model, tokenizer, prompts):
-    """The last token before EOS (the answer's last digit) of every row replaced."""
+    """The last token before EOS (the answer's last digit) of every row replaced; a row that is EOS
+    alone gets a digit before it (still a well-formed completion: only the seed check can tell)."""
     digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
     for c in completions:
+        if len(c) == 1 and c[0] == tokenizer.eos_token_id:
+            c.insert(0, digits[0])
+            continue
         t = max(0, len(c) - 2)
         c[t] = next(d for d in digits if d != c[t])
 
