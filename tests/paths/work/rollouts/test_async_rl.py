@@ -53,7 +53,9 @@ def test_a_rollout_worker_feeds_a_trainer_in_another_process(backend, tmp_path, 
     code, out, err = cli("rollout", url, "--path", "p00", "--dataset", "rl", "--key", key_file, "--batches", "100", *sets, "--no-progress", home=str(tmp_path / "w"), env=env)
     assert code == 0, err
     written = re.search(r"wrote (\d+) rollout batches of p00 as w1 \(signed by [0-9a-f]{16}\.\.\., fp32", out)
-    assert written and 4 <= int(written.group(1)) <= 4 + 2 * 3, out  # held back while max_async + 1 batches wait; stopped once the path is done
+    # held back while max_async + 1 batches wait: at most 3 per latest.json the trainer writes (version 0, then per step at most one
+    # "starving" notice and one new version), far from the 100 asked for; stopped once the path is done
+    assert written and 4 <= int(written.group(1)) <= 3 * (1 + 2 * 4), out
     stdout, stderr = trainer.communicate(timeout=300)
     assert trainer.returncode == 0, stderr
     assert re.search(r"rollouts: seed-checking 13 of 32 rows per batch, picked in secret: a batch with 25% forged rows is rejected with probability 0\.99", stdout), stdout
