@@ -52,7 +52,8 @@ def single_turn(run, work: str, a) -> dict:
 
     from paths.train_config import load_config
     from paths.work.grpo import sample_and_score
-    from paths.work.rewards import Reward, dataset_rewards
+    from paths.work.episodes import dataset_rewards
+    from paths.work.rewards import Reward
     from paths.work.tasks import write_jsonl
     from sharding.dataset import read_prompts
     from sharding.shard import ShardOptions, shard

@@ -189,6 +189,11 @@ class Turns:
         return out
 
 
+def episode_keys(records: int, group: int) -> list[str]:
+    """The episodes' names, in row order: "record.k" for the k-th of each record's group."""
+    return [f"{i}.{k}" for i in range(records) for k in range(group)]
+
+
 class Diverged(DataError):
     """A replayed episode that is not the batch's: the worker's transcript is not what its turns and the environment give."""
 
@@ -282,7 +287,7 @@ class EpisodeSampler:
         from paths.envs.vf_env import rubric_failures
 
         async def run_all() -> list[tuple[str, Any]]:
-            return list(await asyncio.gather(*(one(f"{i}.{k}", r) for i, r in enumerate(records) for k in range(group))))
+            return list(await asyncio.gather(*(one(key, r) for key, r in zip(episode_keys(len(records), group), (r for r in records for _ in range(group))))))
 
         with rubric_failures(self.spec.label, len(records) * group), environment_answers(self.env, played) as self.said:
             return asyncio.run(run_all())
@@ -294,8 +299,7 @@ class EpisodeSampler:
     def samples(self, model: torch.nn.Module, records: list[dict[str, Any]], rewards: list[Reward], tokenizer: Any, *, group: int, budget: int, temperature: float,
                 top_p: float, chunk: int, uniforms: torch.Tensor | None = None) -> Samples:
         """`group` scored episodes per record (`uniforms`: (records x group, budget) seeded numbers, a rollout worker's)."""
-        keys = [f"{i}.{k}" for i in range(len(records)) for k in range(group)]
-        numbers = None if uniforms is None else dict(zip(keys, uniforms))
+        numbers = None if uniforms is None else dict(zip(episode_keys(len(records), group), uniforms))
         turns = Turns(model, tokenizer, self.template, budget=budget, temperature=temperature, top_p=top_p, chunk=chunk, uniforms=numbers)
         return self.scored(turns, self.episodes(turns, records, group), records, rewards, group)
 
@@ -303,7 +307,7 @@ class EpisodeSampler:
                model_masks: list[list[int]], played: list[list[Any]] | None) -> Samples:
         """A batch's episodes again, the model's turns taken from it (the environment's answers from
         `played` when given); Diverged when the replayed transcript is not the batch's."""
-        keys = [f"{i}.{k}" for i in range(len(records)) for k in range(group)]
+        keys = episode_keys(len(records), group)
         turns = Replay(tokenizer, self.template, budget, dict(zip(keys, zip(completion_ids, model_masks))))
         finished = self.episodes(turns, records, group, None if played is None else dict(zip(keys, played)))
         for r, (key, _) in enumerate(finished):
@@ -382,6 +386,17 @@ def dataset_scoring(run: Any, dataset: str, names: list[str]) -> tuple[list[Rewa
     check_versions(environments, f"dataset {dataset!r}")
     episodes = episode_sampler(run, dataset, environments)
     return [load_reward(r) for r in reward_specs(names, environments, dataset, skip=episodes.spec.text if episodes else None)], episodes
+
+
+def dataset_rewards(run: Any, dataset: str, names: list[str]) -> list[Reward]:
+    """The rewards a prompt dataset is scored with: `names` (`env` for its environments), else its
+    environments' own scorers, else math_answer, for single completions (rejection sampling): a
+    multi-turn environment here is an error (`dataset_scoring` gives its episodes)."""
+    rewards, episodes = dataset_scoring(run, dataset, names)
+    if episodes is not None:
+        raise ConfigurationError(f"dataset {dataset!r} comes from the multi-turn environment {episodes.spec.text!r}: its episodes run in `paths train` and `paths rollout`; "
+                                 "rejection sampling takes single completions")
+    return rewards
 
 
 def last_model_turn(state: Any) -> str:

@@ -216,11 +216,11 @@ def pack(records: list[dict[str, Any]], completion_ids: list[list[int]], group: 
     return torch.cat([prompt, comp], 1).to(device), torch.cat([pmask, cmask], 1).to(device), prompt.shape[1], cmask.to(device)
 
 
-def pad_rows(rows: list[list[int]], width: int, device: torch.device) -> torch.Tensor:
-    """Per-completion 0/1 lists as an (N, width) long tensor, right-padded with 0."""
-    out = torch.zeros((len(rows), width), dtype=torch.long)
+def pad_rows(rows: list[list[Any]], width: int, device: torch.device | str, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Per-completion lists (0/1 masks, log-probs) as an (N, width) tensor, right-padded with 0."""
+    out = torch.zeros((len(rows), width), dtype=dtype)
     for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        out[i, : len(r)] = torch.tensor(r, dtype=dtype)
     return out.to(device)
 
 

@@ -16,7 +16,8 @@ import torch
 
 from paths.errors import ConfigurationError
 from paths.models import load_model, parse_model
-from paths.work.rewards import dataset_rewards, score
+from paths.work.episodes import dataset_rewards
+from paths.work.rewards import score
 from paths.work.sampling import check_prompts, complete, record_fields
 from paths.work.tasks import write_jsonl
 from storage.layout import Run

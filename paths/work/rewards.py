@@ -266,22 +266,6 @@ def reward_specs(names: list[str], environments: list[dict[str, Any]], dataset: 
     return out
 
 
-def dataset_rewards(run: Any, dataset: str, names: list[str]) -> list[Reward]:
-    """The rewards a prompt dataset is scored with: `names` (`env` for its environments), else its
-    environments' own scorers, else math_answer; a multi-turn environment here is an error (its
-    episodes need episodes.dataset_scoring)."""
-    from sharding.dataset import dataset_manifest
-
-    environments = dataset_manifest(run, dataset).get("environments") or []
-    if any(e["spec"].startswith("verifiers:") for e in environments):
-        from paths.envs.spec import parse
-        from paths.envs.vf_env import is_episodic, load
-
-        if episodic := next((e["spec"] for e in environments if e["spec"].startswith("verifiers:") and is_episodic(load(parse(e["spec"])))), None):
-            raise ConfigurationError(f"dataset {dataset!r} comes from the multi-turn environment {episodic!r}: its episodes run in `paths train` and `paths rollout`; rejection sampling takes single completions")
-    return [load_reward(r) for r in reward_specs(names, environments, dataset)]
-
-
 def check_answers(rewards: list[Reward], records: list[dict[str, Any]], dataset: str) -> None:
     """Stop before training when a reward needs gold answers the dataset lacks or cannot parse."""
     needy = [r.spec for r in rewards if r.needs_answers]

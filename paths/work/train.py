@@ -144,8 +144,11 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
         raise ConfigurationError(f"--mode {mode!r} is not a training mode: use lm, sft or grpo")
     if init not in ("base", "final"):
         raise ConfigurationError(f"--init must be base or final, got {init!r}")
-    check_versions(dataset_manifest(run, dataset).get("environments") or [], f"dataset {dataset!r}")
-    reward_fns, episodes = dataset_scoring(run, dataset, rewards) if mode == "grpo" else ([], None)  # episodes: a multi-turn environment's
+    if mode == "grpo":  # the rewards, and a multi-turn environment's episodes (its package version checked)
+        reward_fns, episodes = dataset_scoring(run, dataset, rewards)
+    else:
+        check_versions(dataset_manifest(run, dataset).get("environments") or [], f"dataset {dataset!r}")
+        reward_fns, episodes = [], None
     if episodes is not None and cfg.rollouts == "store" and cfg.external:
         raise ConfigurationError(f"dataset {dataset!r} comes from the multi-turn environment {episodes.spec.text!r}: SAPO's shared experience (external) takes single-turn batches; set external=0")
     if cfg.rollouts == "store" and mode != "grpo":

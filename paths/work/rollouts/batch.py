@@ -136,9 +136,9 @@ def encode(completion_ids: list[list[int]], behaviour_logp_NC: torch.Tensor, met
         ids[i, : len(c)] = torch.tensor(c, dtype=torch.int64)
     tensors = {"completion_ids": ids, "behaviour_logp": behaviour_logp_NC.detach().to("cpu", torch.float32)[:, :width].contiguous()}
     if model_masks is not None:
-        tensors["model_mask"] = torch.zeros((len(completion_ids), width), dtype=torch.int8)
-        for i, m in enumerate(model_masks):
-            tensors["model_mask"][i, : len(m)] = torch.tensor(m, dtype=torch.int8)
+        from paths.work.grpo import pad_rows
+
+        tensors["model_mask"] = pad_rows(model_masks, width, "cpu", torch.int8)
     meta = {**{k: v for k, v in meta.items() if k != "signature"}, "format": FORMAT, "tensors_sha256": tensors_digest(tensors), "key": public_hex(key) if key is not None else ""}
     if key is not None:
         meta["signature"] = sign(key, signed_message(meta))

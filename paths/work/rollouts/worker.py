@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from paths.errors import ConfigurationError, DataError, NotFound, PreconditionFailed
-from paths.work.grpo import logprobs_in_chunks, pack, score_samples
+from paths.work.grpo import logprobs_in_chunks, pack, pad_rows, score_samples
 from paths.work.rewards import Reward
 from paths.work.rollouts.batch import DTYPES, Rejected, batch_key, decode, digest_of, encode, parse_key, prompt_sha
 from paths.work.rollouts.keys import public_hex, read_allowlist
@@ -212,12 +212,12 @@ def _sample(model: torch.nn.Module, records: list[dict[str, Any]], rewards: list
         with torch.inference_mode():
             samples = episodes.samples(model, records, rewards, tokenizer, group=cfg.group_size, budget=cfg.max_new_tokens, temperature=cfg.temperature,
                                        top_p=cfg.top_p, chunk=chunk, uniforms=uniforms)
-        logp = torch.zeros((len(samples.logprobs), max(1, max(len(r) for r in samples.logprobs))))
-        for i, row in enumerate(samples.logprobs):
-            logp[i, : len(row)] = torch.tensor(row)
-        keys = [f"{i}.{k}" for i in range(len(records)) for k in range(cfg.group_size)]
-        said = {"environment": "replayed"} if episodes.deterministic else {"environment": "recorded", "environment_messages": [episodes.said.get(k, []) for k in keys]}
-        return samples, logp, said
+        logp = pad_rows(samples.logprobs, max(1, max(map(len, samples.logprobs))), "cpu", torch.float32)
+        if episodes.deterministic:
+            return samples, logp, {"environment": "replayed"}
+        from paths.work.episodes import episode_keys
+
+        return samples, logp, {"environment": "recorded", "environment_messages": [episodes.said.get(k, []) for k in episode_keys(len(records), cfg.group_size)]}
     with torch.inference_mode():
         completion_ids, truncated = complete(model, records, cfg.group_size, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                                              chunk=chunk, uniforms=uniforms)

@@ -14,7 +14,8 @@ from cli.main import main
 from paths.envs.spec import check_versions, parse
 from paths.errors import ConfigurationError, DataError
 from paths.train_config import load_config
-from paths.work.rewards import dataset_rewards, load_reward
+from paths.work.episodes import dataset_rewards
+from paths.work.rewards import load_reward
 from paths.work.tasks import write_jsonl
 from paths.work.train import train
 from sharding.dataset import read_prompts
@@ -301,7 +302,7 @@ def test_a_single_turn_environment_feeds_the_trainer_through_rollout_workers(run
     assert "reward/verifiers:calc_single" in metrics(run, "p00")[-1]
 
 
-EPISODES = ["batch_size=1", "group_size=4", "max_new_tokens=96", "temperature=1.0", "warmup_steps=1", "checkpoint_every=0", "rollouts=store", "max_async=10",
+EPISODES = ["batch_size=1", "group_size=4", "max_new_tokens=96", "temperature=0.3", "warmup_steps=1", "checkpoint_every=0", "rollouts=store", "max_async=10",
             "rollout_wait=0", "verify_rows=4"]
 
 
