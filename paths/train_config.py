@@ -61,6 +61,7 @@ class TrainConfig:
     overlong_buffer: int = 0
     eval_every: int = 0
     eval_prompts: int = 64
+    mixture: str = ""
     # --mode grpo --rollouts store: asynchronous RL through the bucket (paths/work/rollouts/)
     rollouts: str = "local"
     max_async: int = 2

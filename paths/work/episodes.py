@@ -12,7 +12,9 @@ For each prompt record, `group` episodes run concurrently through verifiers' own
 the environment's marked as context (out of the loss), the model's with the log-probs they were
 sampled with. The episode's budget is `max_new_tokens` tokens in all; one that outgrows it is cut
 and counted as truncated. Rewards: the environment's rubric on the finished episode (its
-`score_rollout`), plus any other `--reward` on the model's last turn.
+`score_rollout`), plus any other `--reward` on the model's last turn. In a mixture, rows of other
+(single-turn) sources are one model turn each, sampled in the same batches, scored by their own
+scorers: everything about them (keys, seeded numbers, replay) is an episode's with no environment.
 
 Through rollout workers (worker.py, verify.py): a worker samples each model token with its seeded
 number for that position of the episode (`uniforms`: one row of numbers per episode, indexed by
@@ -270,7 +272,19 @@ class EpisodeSampler:
         record order (key "record.k"). `played`: the environment's answers, taken from a batch."""
         client = LocalClient(turns)
 
+        async def single(key: str, record: dict[str, Any]) -> tuple[str, Any]:  # a row of another source in a mixture: one model turn
+            t = turns.open(key, record["ids"])
+            try:
+                ids, logprobs = await turns._sample(key, record["ids"], turns.budget)
+            finally:
+                turns.close(key)
+            t.add(ids, model=True, logprobs=logprobs)
+            t.turns, t.truncated = 1, turns.tokenizer.eos_token_id not in ids
+            return key, None
+
         async def one(key: str, record: dict[str, Any]) -> tuple[str, Any]:
+            if not self.mine(record):
+                return await single(key, record)
             turns.open(key, record["ids"])
             try:
                 state = await self.env.rollout({**rollout_input(record), "paths_episode": key}, client, "paths", {})
@@ -291,6 +305,10 @@ class EpisodeSampler:
 
         with rubric_failures(self.spec.label, len(records) * group), environment_answers(self.env, played) as self.said:
             return asyncio.run(run_all())
+
+    def mine(self, record: dict[str, Any]) -> bool:
+        """Is the record this environment's (an episode), or another source's in a mixture (one turn)?"""
+        return record.get("env", self.spec.label) == self.spec.label
 
     def __call__(self, model: torch.nn.Module, records: list[dict[str, Any]], rewards: list[Reward], cfg: TrainConfig, tokenizer: Any) -> Samples:
         return self.samples(model, records, rewards, tokenizer, group=cfg.group_size, budget=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
@@ -323,25 +341,31 @@ class EpisodeSampler:
         from paths.work.rewards import score
         from paths.work.sampling import record_fields
 
+        from paths.work.grpo import source_means
+
         transcripts = [turns.transcripts[key] for key, _ in finished]
-        states = [state for _, state in finished]
-        values = [check_score(self.spec.label, s["reward"], s["metrics"]) for s in states]
-        texts = [last_model_turn(s) for s in states]
-        means: dict[str, float] = {self.spec.label: sum(values) / len(values)}
+        states = [state for _, state in finished if state is not None]  # None: a single turn of another source (mixtures)
+        rubric = [None if s is None else check_score(self.spec.label, s["reward"], s["metrics"]) for _, s in finished]
+        values = [v or 0.0 for v in rubric]
+        texts = [turns.tokenizer.decode(t.completion_ids, skip_special_tokens=True) if s is None else last_model_turn(s) for t, (_, s) in zip(transcripts, finished)]
+        scored = [v for v in rubric if v is not None]
+        means: dict[str, float] = {self.spec.label: sum(scored) / len(scored)} if scored else {}
         for name in sorted({k for s in states for k in (s["metrics"] or {})}):
             got = [float(s["metrics"][name]) for s in states if (s["metrics"] or {}).get(name) is not None]
             if got:
                 means[f"{self.spec.label}/{name}"] = sum(got) / len(got)
-        if rewards:  # other rewards read the model's last turn
+        if rewards:  # other rewards read the model's last turn (other sources' scorers: their own rows)
             extra, extra_means = score(rewards, [r["prompt"] for r in records for _ in range(group)], texts, [t.completion_ids for t in transcripts],
                                        record_fields(records, group))
             values = [v + e for v, e in zip(values, extra)]
             means.update(extra_means)
-        self.last = {"episode/turns": sum(t.turns for t in transcripts) / len(transcripts), "episode/forwards": float(turns.forwards),
-                     "episode/environment_tokens": sum(len(t.model_mask) - sum(t.model_mask) for t in transcripts) / len(transcripts),
-                     "episode/model_tokens": sum(sum(t.model_mask) for t in transcripts) / len(transcripts),
-                     "episode/truncated": sum(t.truncated for t in transcripts) / len(transcripts)}
+        episodes = [t for t, (_, s) in zip(transcripts, finished) if s is not None] or transcripts
+        self.last = {"episode/turns": sum(t.turns for t in episodes) / len(episodes), "episode/forwards": float(turns.forwards),
+                     "episode/environment_tokens": sum(len(t.model_mask) - sum(t.model_mask) for t in episodes) / len(episodes),
+                     "episode/model_tokens": sum(sum(t.model_mask) for t in episodes) / len(episodes),
+                     "episode/truncated": sum(t.truncated for t in episodes) / len(episodes)}
         means.update(self.last)
+        means.update(source_means(records, group, values, [t.completion_ids for t in transcripts], [t.truncated for t in transcripts]))
         return Samples(records, [t.completion_ids for t in transcripts], [t.truncated for t in transcripts], texts, values, means,
                        model_masks=[t.model_mask for t in transcripts], logprobs=[t.logprobs for t in transcripts])
 
@@ -363,8 +387,9 @@ def episode_sampler(run: Any, dataset: str, environments: list[dict[str, Any]]) 
     episodic = [s for s in specs if is_episodic(load(s))]
     if not episodic:
         return None
-    if len(environments) > 1:
-        raise ConfigurationError(f"dataset {dataset!r} mixes {len(environments)} environments, one of them multi-turn ({episodic[0].text}): shard a multi-turn environment into a dataset of its own")
+    if len(episodic) > 1:
+        raise ConfigurationError(f"dataset {dataset!r} mixes {len(episodic)} multi-turn environments ({', '.join(s.text for s in episodic)}): "
+                                 "shard each into a dataset of its own (single-turn sources may join one)")
     from paths.envs.chat import template_of
     from paths.models import run_tokenizer
     from sharding.dataset import dataset_manifest

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from paths.errors import ConfigurationError
+from paths.work.mixture import Mixture
 from sharding.dataset import PathDataset, read_prompts
 from storage.layout import Run
 
@@ -46,7 +47,7 @@ class SFTDataset(PathDataset):
 class PromptDataset(PathDataset):
     """Prompt records of one path (for GRPO), yielding record indices in the shuffled order."""
 
-    def __init__(self, run: Run, dataset: str, path_id: str, seq_len: int, **kwargs: Any):
+    def __init__(self, run: Run, dataset: str, path_id: str, seq_len: int, mixture: str = "", **kwargs: Any):
         kwargs.setdefault("prefetch", 1)
         super().__init__(run, dataset, path_id, seq_len, **kwargs)
         self.records = read_prompts(self.run, dataset, path_id, self.split)
@@ -54,6 +55,13 @@ class PromptDataset(PathDataset):
             raise ConfigurationError(f"dataset {dataset!r} has no {self.split} prompts for path {path_id}: shard more prompts or pick another path")
         self.num_windows = len(self.records)
         self.block = 1
+        self.mixture = Mixture(self.records, mixture, f"dataset {dataset!r} for path {path_id}") if mixture else None
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """Shuffled record indices; with a mixture, the sources in its ratio (mixture.py)."""
+        if self.mixture is None or not self.shuffle:
+            return super().epoch_order(epoch)
+        return self.mixture.order(self.num_windows, np.random.Generator(np.random.PCG64([self.seed, epoch])))[self.rank :: self.world_size]
 
     def _read_block(self, block: int) -> np.ndarray:
         return np.zeros(0)

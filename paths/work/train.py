@@ -198,7 +198,7 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
             from paths.work.sft_data import PromptDataset
             from sharding.dataset import read_prompts
 
-            data = PromptDataset(run, dataset, shard_id, cfg.seq_len, **common)
+            data = PromptDataset(run, dataset, shard_id, cfg.seq_len, mixture=cfg.mixture, **common)
             check_prompts(data.records, reward_fns, dataset, model.config.max_position_embeddings, cfg.max_new_tokens)
             ref = AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32).eval().requires_grad_(False) if cfg.beta > 0 else None
             if cfg.rollouts == "store":  # asynchronous: verified batches of rollout workers, policy versions published for them

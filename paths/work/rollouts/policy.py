@@ -132,7 +132,8 @@ class PolicyPublisher(Callback):
             self.run.store.write(f"{self.run.policy(self.path)}/latest.json", json.dumps({**head, "pending": 0, "at": time.time()}, sort_keys=True).encode())
 
     def _publish(self, trainer: Any) -> None:
-        record = publish(self.run, self.path, trainer.step, trainer.unwrapped, self.source.salt, max_async=self.max_async, step=trainer.step, pending=self.source.pending, needs=self.needs)
+        record = publish(self.run, self.path, trainer.step, trainer.unwrapped, self.source.salt, max_async=self.max_async, step=trainer.step, pending=self.source.pending, needs=self.needs,
+                         mixture=self.source.cfg.mixture)
         self.source.published(record)
 
     def started(self, trainer: Any) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import random
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,9 +43,12 @@ def batch_seed(nonce_hex: str, worker: str, key: str, position: int) -> bytes:
     return hashlib.sha256(f"paths-batch/{nonce_hex}/{worker}/{key}/{position}".encode()).digest()
 
 
-def pick_prompts(seed: bytes, count: int, total: int) -> list[int]:
-    """The prompts of a batch: `count` indices into the path's `total` training prompts."""
+def pick_prompts(seed: bytes, count: int, total: int, mixture: Any = None) -> list[int]:
+    """The prompts of a batch: `count` indices into the path's `total` training prompts (in the
+    sources' ratio when a `mixture.Mixture` is given)."""
     rng = random.Random(int.from_bytes(hashlib.sha256(b"prompts/" + seed).digest()[:8], "big"))
+    if mixture is not None:
+        return mixture.pick(count, rng)
     return [rng.randrange(total) for _ in range(count)]
 
 

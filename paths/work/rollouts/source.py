@@ -33,6 +33,7 @@ import torch
 
 from paths.errors import ConfigurationError, NotFound
 from paths.work.rewards import Reward
+from paths.work.mixture import Mixture
 from paths.work.rollouts.batch import Batch, Rejected, batch_bytes_limit, decode, parse_key
 from paths.work.rollouts.keys import Allowlist, read_allowlist
 from paths.work.rollouts.policy import version_record
@@ -89,8 +90,9 @@ class StoreRollouts:
     _held: dict[str, tuple[Batch, str]] = field(default_factory=dict)  # read and well signed, not resolved yet: never read twice
 
     def __post_init__(self) -> None:
+        self.mixture = Mixture(self.records, self.cfg.mixture, f"dataset {self.dataset!r} for path {self.path}") if self.cfg.mixture else None
         self.verifier = BatchVerifier(self.run, self.path, self.dataset, run_id(self.run), self.cfg, self.records, self.rewards, self.tokenizer, self.make_model, self.device,
-                                      self.episodes)
+                                      self.episodes, self.mixture)
         self.allow = read_allowlist(self.run)  # a malformed allowlist stops the trainer before it starts
         if not self.allow.open and not any(w.active for w in self.allow.workers.values()):
             log.warning("no rollout worker is admitted to %s: admit one with `paths keys admit RUN --name NAME --key PUBLIC` (or `paths keys open RUN`); "

@@ -36,7 +36,7 @@ class AsyncGRPOStep(GRPOStep):
             policy = acc.unwrap_model(model)
             for k in range(own):
                 seed = hashlib.sha256(f"trainer-{src.path}/{src.steps * cfg.grad_accum + k}".encode()).digest()
-                picked = pick_prompts(seed, cfg.batch_size, len(src.records))
+                picked = pick_prompts(seed, cfg.batch_size, len(src.records), src.mixture)
                 samples = self.sample(policy, [src.records[i] for i in picked], self.rewards, cfg, self.tokenizer)
                 parts.append(samples)
                 behaviour += [None] * len(samples.completion_ids)

@@ -174,8 +174,10 @@ class BatchVerifier:
     per (policy version, dtype) to recompute what workers sampled."""
 
     def __init__(self, run: Run, path: str, dataset: str, run_id: str, cfg: Any, records: list[dict[str, Any]], rewards: list[Any], tokenizer: Any,
-                 make_model: Callable[[], torch.nn.Module], device: torch.device | str = "cpu", episodes: Any = None):
+                 make_model: Callable[[], torch.nn.Module], device: torch.device | str = "cpu", episodes: Any = None,
+                 mixture: Any = None):
         self.device = torch.device(device)
+        self.mixture = mixture  # the sources' ratio (mixture.Mixture) the seeds draw prompts in
         self.episodes = episodes  # the dataset's multi-turn environment (an EpisodeSampler), to replay episodes with
         self.run, self.path, self.dataset, self.run_id, self.cfg = run, path, dataset, run_id, cfg
         self.records, self.rewards, self.tokenizer, self.make_model = records, rewards, tokenizer, make_model
@@ -224,7 +226,7 @@ class BatchVerifier:
         if n != cfg.batch_size * cfg.group_size:
             raise Rejected(f"{n} completions; batch_size {cfg.batch_size} x group_size {cfg.group_size} should be {cfg.batch_size * cfg.group_size}")
         seed = batch_seed(version_record["nonce"], batch.worker, meta["key"], batch.position)
-        picked = pick_prompts(seed, cfg.batch_size, len(self.records))
+        picked = pick_prompts(seed, cfg.batch_size, len(self.records), self.mixture)
         if meta["prompt_index"] != picked:
             raise Rejected(f"prompts {str(meta['prompt_index'])[:60]} are not the ones its seed draws ({str(picked)[:60]}): chosen prompts")
         records = [self.records[i] for i in picked]

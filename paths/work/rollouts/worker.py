@@ -25,6 +25,7 @@ from paths.work.rollouts.batch import DTYPES, Rejected, batch_key, decode, diges
 from paths.work.rollouts.keys import public_hex, read_allowlist
 from paths.work.rollouts.policy import latest, load_version, sampler
 from paths.work.rollouts.seeds import batch_seed, pick_prompts, row_uniforms, run_id
+from paths.work.mixture import Mixture
 from paths.work.sampling import complete
 from storage.layout import Run
 
@@ -139,7 +140,7 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(local, "init"))
         check_prompts(records, rewards, dataset, policy.config.max_position_embeddings, cfg.max_new_tokens)
         rid = run_id(run)
-        loaded, model = None, None
+        loaded, model, mixture = None, None, None
         position, previous = chain_head(run, path, name, public)
         index = next_index(run, path, name)
         written, dropped, reloads, tokens, seconds = 0, 0, 0, 0, 0.0
@@ -163,6 +164,8 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
                 if public:
                     identity(run, key, name)  # revoked meanwhile: stop
                 model, reloads = sampler(policy, dtype), reloads + 1
+                if loaded.get("mixture", "") != (mixture.text if mixture else ""):  # the trainer's ratio: its seeds draw the prompts in it
+                    mixture = Mixture(records, loaded["mixture"], f"dataset {dataset!r} for path {path}") if loaded.get("mixture") else None
             said = (head["version"], head.get("at"))
             if said != seen:
                 seen, since = said, 0
@@ -173,7 +176,7 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
                 continue
             t0 = time.perf_counter()
             seed = batch_seed(loaded["nonce"], name, public, position)
-            picked = pick_prompts(seed, cfg.batch_size, len(records))
+            picked = pick_prompts(seed, cfg.batch_size, len(records), mixture)
             recs = [records[i] for i in picked]
             samples, logp, extra = _sample(model, recs, rewards, cfg, tokenizer, row_uniforms(seed, cfg.batch_size * cfg.group_size, cfg.max_new_tokens), episodes)
             completion_ids = samples.completion_ids

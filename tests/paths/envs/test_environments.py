@@ -211,6 +211,72 @@ def test_a_mixture_scores_each_source_with_its_own_scorer_and_reports_each(run, 
     assert "Mixtures: per source" in page and all(s in page for s in sources)
 
 
+def test_a_mixture_ratio_holds_whatever_the_sizes_in_every_window():
+    """3:1 over sources of 10 and 40 rows: every window of 8 prompts holds 6 and 2 (smooth weighted
+    round robin), the small source cycles through all its rows before repeating one, and a rollout
+    batch's seeded pick is apportioned exactly; the same seed draws the same prompts."""
+    import random
+
+    import numpy as np
+
+    from paths.work.mixture import Mixture
+
+    recs = [{"env": "a"}] * 10 + [{"env": "b"}] * 20 + [{}] * 20
+    mix = Mixture(recs, "a=3,b=1,prompts=0", "the dataset")
+    order = mix.order(400, np.random.default_rng(0))
+    src = np.array([recs[i].get("env", "prompts") for i in order])
+    for at in range(0, 392, 5):
+        assert (src[at : at + 8] == "a").sum() == 6 and (src[at : at + 8] == "b").sum() == 2
+    first_a = [int(i) for i in order[src == "a"][:10]]
+    assert sorted(first_a) == list(range(10))
+    assert "prompts" not in src
+    picks = mix.pick(8, random.Random(1))
+    assert sorted(recs[i].get("env") for i in picks) == ["a"] * 6 + ["b"] * 2 and picks == mix.pick(8, random.Random(1))
+    assert sorted(recs[i].get("env") for i in mix.pick(6, random.Random(2))).count("a") in (4, 5)  # 4.5: the tie is broken by the seed
+
+
+@pytest.mark.parametrize("text, message", [
+    ("a=3", "gives no weight to b: the dataset holds a \\(1 rows\\), b \\(1 rows\\)"),
+    ("a=1,b=1,c=2", "names c, which it does not hold"),
+    ("a=x,b=1", "is not SOURCE=WEIGHT"),
+    ("a=-1,b=1", "is not SOURCE=WEIGHT"),
+    ("a=0,b=0", "gives every source weight 0"),
+    ("a=1,a=2", "names 'a' twice"),
+])
+def test_a_mixture_that_does_not_fit_the_dataset_is_one_line(text, message):
+    from paths.work.mixture import Mixture
+
+    with pytest.raises(ConfigurationError, match=message):
+        Mixture([{"env": "a"}, {"env": "b"}], text, "the dataset")
+
+
+def test_a_mixture_sets_each_step_s_share_in_training_and_through_rollout_workers(run, tmp_path):
+    """Sources of 24 and 48 prompts trained 3:1 the other way round: each local step's metrics show
+    shares 0.75 / 0.25; a worker takes the ratio from the policy version and its batches, drawn
+    in it, pass the trainer's prompt check."""
+    from paths.work.rollouts import batch_key, decode, publish, rollout_worker
+    from tests.paths.work.conftest import loaded
+    from tests.paths.work.rollouts.conftest import SALT, STORE, keyed, rejections, settings
+
+    shard(run, ShardOptions(dataset="mix", inputs=[GYM, "verifiers:calc_single:n=48,eval_n=6"], kind="prompts"))
+    ratio = "reasoning-gym:basic_arithmetic=3,verifiers:calc_single=1"
+    with pytest.raises(ConfigurationError, match="gives no weight to verifiers:calc_single"):
+        train(run, "p00", "grpo", "mix", load_config(sets=FAST + ["mixture=reasoning-gym:basic_arithmetic=1"], steps=1), None, show_progress=False)
+    train(run, "p00", "grpo", "mix", load_config(sets=FAST + ["batch_size=4", "group_size=2", f"mixture={ratio}"], steps=3), None, show_progress=False)
+    assert [m["source/reasoning-gym:basic_arithmetic/share"] for m in metrics(run, "p00")] == [0.75] * 3
+    for folder in ("policy", "rollouts", "work"):
+        for o in run.store.list(f"{folder}/p00"):
+            run.store.delete(o.key)
+    model, _ = loaded(run, tmp_path)
+    publish(run, "p00", 0, model, SALT, max_async=10, step=0, mixture=ratio)
+    rollout_worker(run, "p00", "mix", settings(), dataset_rewards(run, "mix", []), key=keyed(run, tmp_path, "w"), batches=2, wait=5)
+    recs = read_prompts(run, "mix", "p00", "train")
+    batch = decode(run.store.read(batch_key(run, "p00", "w", 0)), "k", 1 << 30)
+    assert sorted(recs[i]["env"] for i in batch.meta["prompt_index"]) == ["reasoning-gym:basic_arithmetic"] * 3 + ["verifiers:calc_single"]
+    train(run, "p00", "grpo", "mix", load_config(sets=[*FAST_STORE, *STORE, f"mixture={ratio}"], steps=2), None, show_progress=False)
+    assert not rejections(run) and [m["store_batches"] for m in metrics(run, "p00")] == [1, 1]
+
+
 # -- bad input ---------------------------------------------------------------------------------------
 def _shard_cli(run, *args):
     return CliRunner().invoke(main, ["shard", run.url, "--dataset", "bad", "--kind", "prompts", *args])
@@ -355,6 +421,44 @@ def test_episodes_feed_the_trainer_through_rollout_workers_and_a_changed_environ
     assert list(got) == [k] and ("differs from the batch's" in got[k]["reason"] or "not in the batch" in got[k]["reason"]), got
     steps = metrics(run, path)[-2:]
     assert [m["store_batches"] for m in steps] == [1, 0] and steps[0]["episode/turns"] > 1 and steps[0]["episode/environment_tokens"] > 0
+
+
+def test_a_multi_turn_environment_mixes_with_a_single_turn_source_in_the_trainer_and_through_workers(tool_model, tmp_path):
+    """Tool episodes beside reasoning-gym prompts in one dataset, 1:1: a step runs episodes for
+    the environment's rows and one model turn for the others (each scored by its own scorer,
+    metrics per source); a worker's mixed batch passes the trainer's replay and seed checks."""
+    from paths.work.episodes import dataset_scoring
+    from paths.work.rollouts import publish, rollout_worker
+    from tests.paths.work.rollouts.conftest import SALT, keyed, rejections
+
+    run, path = tool_model
+    shard(run, ShardOptions(dataset="tools-mix", inputs=["verifiers:calc_tools:n=1,eval_n=1", "reasoning-gym:basic_arithmetic:size=8,eval_size=2"], kind="prompts",
+                            holdout=0))
+    assert {r["env"] for r in read_prompts(run, "tools-mix", path, "train")} == {"verifiers:calc_tools", "reasoning-gym:basic_arithmetic"}
+    ratio = "mixture=verifiers:calc_tools=1,reasoning-gym:basic_arithmetic=1"
+    sets = ["batch_size=2", "group_size=2", "max_new_tokens=96", "temperature=0.3", "warmup_steps=1", "checkpoint_every=0", ratio]
+    train(run, path, "grpo", "tools-mix", load_config(sets=sets, steps=1), None, show_progress=False, init="final")
+    last = metrics(run, path)[-1]
+    assert last["source/verifiers:calc_tools/share"] == 0.5 and "source/reasoning-gym:basic_arithmetic/reward" in last
+    assert last["episode/turns"] > 1 and "reward/verifiers:calc_tools" in last and "reward/reasoning-gym:basic_arithmetic" in last
+    model, _ = _final(run, path, tmp_path)
+    for folder in ("policy", "rollouts"):
+        for o in run.store.list(f"{folder}/{path}"):
+            run.store.delete(o.key)
+    publish(run, path, 0, model, SALT, max_async=10, step=0, mixture=ratio.partition("=")[2])
+    cfg = load_config(sets=[*EPISODES, "batch_size=2", ratio], mode="grpo")
+    rewards, episodes = dataset_scoring(run, "tools-mix", [])
+    rollout_worker(run, path, "tools-mix", cfg, rewards, key=keyed(run, tmp_path, "w-mix"), worker="w-mix", batches=2, wait=5, episodes=episodes)
+    from paths.work.rollouts import batch_key, decode
+
+    batch = decode(run.store.read(batch_key(run, path, "w-mix", 0)), "k", 1 << 30)
+    recs = read_prompts(run, "tools-mix", path, "train")
+    sources = [recs[i]["env"] for i in batch.meta["prompt_index"] for _ in range(cfg.group_size)]
+    assert sorted(set(sources)) == ["reasoning-gym:basic_arithmetic", "verifiers:calc_tools"]
+    assert all(all(m) for m, s in zip(batch.model_masks, sources) if s.startswith("reasoning-gym"))  # one model turn, no environment tokens
+    train(run, path, "grpo", "tools-mix", load_config(sets=[*EPISODES, "batch_size=2", ratio], steps=2), None, show_progress=False, init="final")
+    got = rejections(run) if path == "p00" else {o.key: o for o in run.store.list(f"rollouts/{path}/rejected")}
+    assert not got and [m["store_batches"] for m in metrics(run, path)[-2:]] == [1, 1]
 
 
 def episodes_tokenizer(run, path, tmp_path):
