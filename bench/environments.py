@@ -1,16 +1,21 @@
 """What an environment costs: a verifiers environment against the same prompts as a plain dataset,
 and the throughput of multi-turn episodes.
 
-    .venv/bin/python bench/environments.py [--prompts 64] [--group 8] [--max-new-tokens 32] [--repeats 3] [--sft-steps 150]
+    .venv/bin/python bench/environments.py [--prompts 64] [--group 8] [--max-new-tokens 32] [--repeats 3] [--sft-steps 150] [--preset tiny-mixtral ...]
 
 1. Single turn. The same questions (the rows of `verifiers:calc_single`) sharded twice into one
    run: as a plain JSONL prompt dataset scored by a `module:function` reward that reads the answer
    the way the rubric does (the direct prompt path), and as the environment (chat template,
    verifiers' rubric through `Rubric.score_rollout`). The same tiny-mixtral path samples G
    completions of every prompt with the same seed, so both arms sample the same number of tokens
-   (a random-init model rarely samples EOS; the tokens are counted and printed). Timed: a GRPO
+   (a random-init model rarely samples EOS; the tokens are counted and printed). The direct arm
+   samples the same chat-rendered prompt tokens (so the comparison isolates the environment:
+   its rows and rubric); a third arm, plain-text prompts without the chat template, shows what the
+   template's extra prompt tokens cost on top. Timed: a GRPO
    rollout's sampling and scoring (`sample_and_score`), the median of `--repeats` alternating runs.
-   Goal: the environment path costs <= 10% more.
+   Goal: the environment path costs <= 10% more. The rubric's cost is per completion, not per
+   token, so its share shrinks as the model grows: `--preset` repeats this arm for each preset
+   named (tiny-mixtral's path has ~0.1M parameters, small-mixtral's ~3.4M, bench-mixtral's ~98M).
 2. Multi-turn. A path warmed up by SFT on `calc_tools.demonstrations()` (it calls the `add` tool,
    mostly with the wrong numbers) runs G episodes of every prompt of `verifiers:calc_tools`
    through verifiers' rollout loop; reported: model tokens/s, environment tokens, turns per episode
@@ -72,7 +77,9 @@ def single_turn(run, work: str, a) -> dict:
     folder = os.path.join(work, "p00-init")
     materialize(run, "p00", folder)
     model, tok = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
-    arms = {"direct": (plain_records, [Reward.of("direct", direct_reward)]), "environment": (env_records, dataset_rewards(run, "env", []))}
+    same_tokens = [{k: v for k, v in r.items() if k not in ("messages", "info", "env")} for r in env_records]  # the chat-rendered prompt ids, no environment
+    arms = {"direct": (same_tokens, [Reward.of("direct", direct_reward)]), "environment": (env_records, dataset_rewards(run, "env", [])),
+            "plain-text": (plain_records, [Reward.of("direct", direct_reward)])}
     times: dict[str, list[float]] = {k: [] for k in arms}
     tokens: dict[str, int] = {}
     for _ in range(a.repeats):
@@ -85,6 +92,9 @@ def single_turn(run, work: str, a) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     n = len(env_records) * a.group
     return {"prompts": len(env_records), "completions": n, "tokens": tokens, "seconds": med,
+            "prompt_tokens": {"chat": sum(len(r["ids"]) for r in env_records) / len(env_records), "plain-text": sum(len(r["ids"]) for r in plain_records) / len(plain_records)},
+            "plain_text_overhead": (med["environment"] / tokens["environment"]) / (med["plain-text"] / tokens["plain-text"]) - 1, "path_parameters": sum(p.numel() for p in model.parameters()),
+            "rubric_ms_per_completion": 1000 * (med["environment"] / tokens["environment"] - med["direct"] / tokens["direct"]) * tokens["environment"] / n,
             "rollouts_per_s": {k: n / v for k, v in med.items()}, "tokens_per_s": {k: tokens[k] / med[k] for k in med},
             "overhead": (med["environment"] / tokens["environment"]) / (med["direct"] / tokens["direct"]) - 1}
 
@@ -150,7 +160,9 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sft-steps", type=int, default=150)
+    p.add_argument("--preset", action="append", help="model preset(s) of the single-turn arm (repeatable; default tiny-mixtral)")
     a = p.parse_args()
+    a.preset = a.preset or ["tiny-mixtral"]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
@@ -159,17 +171,29 @@ def main() -> None:
     from storage.layout import open_run
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    singles = {}
     with tempfile.TemporaryDirectory(prefix="paths-bench-envs-") as work:
-        init_run(os.path.join(work, "run"), preset="tiny-mixtral", seed=0)
-        run = open_run(os.path.join(work, "run"))
-        decompose(run, 1)
-        single = single_turn(run, work, a)
+        for preset in a.preset:
+            init_run(os.path.join(work, preset), preset=preset, seed=0)
+            run = open_run(os.path.join(work, preset))
+            decompose(run, 1)
+            os.makedirs(os.path.join(work, f"{preset}-work"))
+            singles[preset] = single_turn(run, os.path.join(work, f"{preset}-work"), a)
+        if "tiny-mixtral" not in a.preset:
+            init_run(os.path.join(work, "tiny-mixtral"), preset="tiny-mixtral", seed=0)
+        run = open_run(os.path.join(work, "tiny-mixtral"))
+        if "tiny-mixtral" not in a.preset:
+            decompose(run, 1)
         multi = multi_turn(run, work, a)
-    print(f"single turn, {single['prompts']} prompts x {a.group} (tiny-mixtral path, fp32, CPU); completion tokens: direct {single['tokens']['direct']}, "
-          f"environment {single['tokens']['environment']}")
-    for k in ("direct", "environment"):
-        print(f"  {k:12s} {single['seconds'][k]:.3f} s  {single['rollouts_per_s'][k]:8.1f} rollouts/s  {single['tokens_per_s'][k]:9.0f} tokens/s")
-    print(f"  environment path costs {single['overhead'] * 100:+.1f}% per token against the direct prompt path (goal <= +10%)")
+    for preset, single in singles.items():
+        print(f"single turn, {single['prompts']} prompts x {a.group} ({preset} path, {single['path_parameters'] / 1e6:.2f}M parameters, fp32, CPU); "
+              f"completion tokens: direct {single['tokens']['direct']}, environment {single['tokens']['environment']}")
+        for k in ("direct", "environment", "plain-text"):
+            print(f"  {k:12s} {single['seconds'][k]:.3f} s  {single['rollouts_per_s'][k]:8.1f} rollouts/s  {single['tokens_per_s'][k]:9.0f} tokens/s")
+        print(f"  environment path costs {single['overhead'] * 100:+.1f}% per token against the direct prompt path on the same prompt tokens (goal <= +10%); "
+              f"the rubric adds {single['rubric_ms_per_completion']:.3f} ms per completion")
+        print(f"  against plain-text prompts ({single['prompt_tokens']['plain-text']:.0f} prompt tokens, not the chat template's {single['prompt_tokens']['chat']:.0f}): "
+              f"{single['plain_text_overhead'] * 100:+.1f}%")
     print(f"multi-turn calc_tools, {multi['episodes']} episodes (after {a.sft_steps} SFT steps on worked episodes): {multi['per_episode_turns']:.2f} turns, "
           f"{multi['model_tokens'] / multi['episodes']:.1f} model + {multi['per_episode_environment_tokens']:.1f} environment tokens per episode, {multi['per_episode_forwards']:.0f} batched sampling calls, "
           f"mean reward {multi['mean_reward']:.3f}")
@@ -178,7 +202,7 @@ def main() -> None:
     print(f"  the trainer's replay of those episodes (rollout workers' batches): {multi['replay_seconds']:.3f} s, {multi['replay_share']:.1%} of the episodes' sampling time")
     os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "out", "environments.jsonl"), "a") as f:
-        f.write(json.dumps({"at": time.time(), "args": vars(a), "single_turn": single, "multi_turn": multi}) + "\n")
+        f.write(json.dumps({"at": time.time(), "args": vars(a), "single_turn": singles, "multi_turn": multi}) + "\n")
     print("reproduce: .venv/bin/python bench/environments.py " + " ".join(sys.argv[1:]))
 
 

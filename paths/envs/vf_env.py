@@ -4,8 +4,9 @@
 does) and calls its `load_environment(**args)`. Its dataset's rows become prompt records (the
 chat prompt, `answer`, `info`, `example_id`, every other column; the tools, in the OpenAI form
 chat templates take, under `tools`), its eval dataset the held-out split. Its rubric is a reward:
-each completion is scored the way verifiers scores a rollout (`Rubric.score_rollout` on a state
-built from the record), and the weighted sum is the value. A `SingleTurnEnv` is sampled like any
+the completions of one prompt are scored the way verifiers scores a group of rollouts
+(`Rubric.score_group` on states built from the record: group-level reward functions see the
+group, as in verifiers' own training loop), and each completion's weighted sum is its value. A `SingleTurnEnv` is sampled like any
 prompt; every other environment runs episodes (episodes.py). verifiers 0.4's "v1" tasksets are
 not read: pin `verifiers<0.4`.
 """
@@ -166,13 +167,27 @@ def check_score(spec: str, reward: Any, metrics: dict[str, Any] | None) -> float
     return value
 
 
-async def _score_one(env: Any, record: dict[str, Any], completion: list[dict[str, Any]], client: Any) -> tuple[Any, dict[str, Any]]:
+async def _score_group(env: Any, record: dict[str, Any], completions: list[str], client: Any) -> list[tuple[Any, dict[str, Any]]]:
+    """One prompt's completions, scored together as verifiers scores a group of rollouts."""
     from verifiers.legacy.utils.message_utils import normalize_messages
 
-    state = await env.init_state(rollout_input(record), client, "paths", {})
-    state["completion"] = normalize_messages(completion, field_name="completion")
-    await env.rubric.score_rollout(state)
-    return state["reward"], state["metrics"] or {}
+    states = []
+    for text in completions:
+        state = await env.init_state(rollout_input(record), client, "paths", {})
+        state["completion"] = normalize_messages([{"role": "assistant", "content": text}], field_name="completion")
+        states.append(state)
+    await env.rubric.score_group(states)
+    return [(s["reward"], s["metrics"] or {}) for s in states]
+
+
+def prompt_groups(n: int, same: Any) -> list[range]:
+    """Runs of consecutive rows that share a prompt (`same(i, j)`): the groups a GRPO batch holds."""
+    out, start = [], 0
+    for i in range(1, n + 1):
+        if i == n or not same(start, i):
+            out.append(range(start, i))
+            start = i
+    return out
 
 
 _FAILED = re.compile(r"Error calling reward function (\S+): (.*)", re.DOTALL)
@@ -224,9 +239,11 @@ class RubricReward:
         n = len(completions)
         records = [{"messages": messages[i], **{k: v[i] for k, v in fields.items() if k not in ("prompts", "completion_ids")}} for i in range(n)]
         client = LocalClient(None)
+        groups = prompt_groups(n, lambda i, j: records[i].get("example_id") == records[j].get("example_id") and records[i]["messages"] == records[j]["messages"])
 
         async def score_all() -> list[tuple[Any, dict[str, Any]]]:
-            return list(await asyncio.gather(*(_score_one(self.env, r, [{"role": "assistant", "content": c}], client) for r, c in zip(records, completions))))
+            scored = await asyncio.gather(*(_score_group(self.env, records[g[0]], [completions[i] for i in g], client) for g in groups))
+            return [x for group in scored for x in group]
 
         with rubric_failures(self.spec.label, n):
             scored = _run(score_all())

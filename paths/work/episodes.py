@@ -8,11 +8,12 @@ when every live episode is waiting for the model). Tool calls are read from the 
 
 For each prompt record, `group` episodes run concurrently through verifiers' own rollout loop
 (`env.rollout`: model turn, `env_response`, stop conditions, tools run by the environment), with
-`LocalClient` as the model. Each episode becomes one completion: every token after the prompt,
+`LocalClient` as the model; the rubric scores each record's episodes together (`score_group`).
+Each episode becomes one completion: every token after the prompt,
 the environment's marked as context (out of the loss), the model's with the log-probs they were
 sampled with. The episode's budget is `max_new_tokens` tokens in all; one that outgrows it is cut
 and counted as truncated. Rewards: the environment's rubric on the finished episode (its
-`score_rollout`), plus any other `--reward` on the model's last turn. In a mixture, rows of other
+`score_group`), plus any other `--reward` on the model's last turn. In a mixture, rows of other
 (single-turn) sources are one model turn each, sampled in the same batches, scored by their own
 scorers: everything about them (keys, seeded numbers, replay) is an episode's with no environment.
 
@@ -295,13 +296,17 @@ class EpisodeSampler:
             finally:
                 turns.close(key)
             _raise_failure(self.spec, state)
-            await self.env.rubric.score_rollout(state)
             return key, state
 
         from paths.envs.vf_env import rubric_failures
 
         async def run_all() -> list[tuple[str, Any]]:
-            return list(await asyncio.gather(*(one(key, r) for key, r in zip(episode_keys(len(records), group), (r for r in records for _ in range(group))))))
+            finished = list(await asyncio.gather(*(one(key, r) for key, r in zip(episode_keys(len(records), group), (r for r in records for _ in range(group))))))
+            for i in range(0, len(finished), group):  # each record's episodes scored together, as verifiers scores a group of rollouts
+                states = [state for _, state in finished[i : i + group] if state is not None]
+                if states:
+                    await self.env.rubric.score_group(states)
+            return finished
 
         with rubric_failures(self.spec.label, len(records) * group), environment_answers(self.env, played) as self.said:
             return asyncio.run(run_all())

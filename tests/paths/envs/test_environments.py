@@ -104,6 +104,20 @@ def test_a_single_turn_environment_renders_chat_prompts_and_its_rubric_scores_wi
     assert got == pytest.approx([1.2, 0.2, 0.0])  # correct (weight 1) + tagged (weight 0.2)
 
 
+def test_a_group_level_reward_function_sees_the_completions_of_one_prompt():
+    """A rubric function over a group (verifiers' GroupRewardFunc) scores each prompt's completions
+    together, never the whole batch: the shortest answer of each prompt gets its bonus."""
+    from paths.envs.vf_env import RubricReward, rows
+
+    spec = parse("verifiers:tests.paths.envs.group_env")
+    recs = [r for r in rows(spec) if r["_split"] == "train"][:2]
+    batch = [r for r in recs for _ in range(3)]
+    completions = [recs[0]["answer"], "no", "a long wrong answer", "xyz", "wxyz", recs[1]["answer"] + " "]  # each prompt's shortest: its first and its last
+    fields = {k: [r.get(k) for r in batch] for k in ("answer", "info", "example_id")}
+    values = RubricReward(spec)(completions, messages=[r["prompt"] for r in batch], **fields)
+    assert values == [1.5, 0.0, 0.0, 0.0, 0.0, 1.5]
+
+
 def test_grpo_on_a_single_turn_environment_reports_its_rubric_and_heldout_reward(run):
     shard(run, ShardOptions(dataset="single", inputs=[SINGLE], kind="prompts"))
     path = trained_path(run, "single")
