@@ -117,7 +117,14 @@ def render_plan(s: dict[str, Any]) -> str:
         f"paths: {s['paths']} (e.g. {s['example_path']})\n"
         f"parameters per path: {s['parameters_per_path']:,} ({s['parameters_shared']:,} shared)\n"
         f"parameters of the MoE: {s['parameters_total']:,}"
+        + (_render_memory(s) if "memory" in s else "")
     )
+
+
+def _render_memory(s: dict[str, Any]) -> str:
+    rows = [(mode, f"{m['weights']:.1f}", f"{m['gradients']:.1f}", f"{m['optimizer']:.1f}", f"{m['activations']:.1f}", f"{m['total']:.1f}") for mode, m in s["memory"].items()]
+    return (f"\npath form: {s['path_form']}\nmemory to train one path, GiB (micro-batch {s['micro_batch']} x {s['seq_len']} tokens; activations estimated, no recomputation):\n"
+            + table(("mode", "weights", "gradients", "AdamW", "activations", "total"), rows))
 
 
 def render_dataset(manifest: dict[str, Any], json_out: bool = False) -> str:

@@ -148,7 +148,7 @@ def domain_embed_rows(run: Run, family: Family, plan: Plan, paths: list[str], da
 
             return capture
 
-        mlps = [model.get_submodule(family.dense_mlp(layer, "gate").rsplit(".", 2)[0]) for layer in layers]
+        mlps = [model.get_submodule(family.mlp_module(layer)) for layer in layers]
         handles = [m.register_forward_pre_hook(hook(layer)) for layer, m in zip(layers, mlps)]
         try:
             for ids in docs:

@@ -11,7 +11,10 @@ back in its family's layout with `save_pretrained`. Only the block's forward is 
   megablocks' layout (w1/v1/w2 of (E*I, H)) and copied back by `write_back()` before saving.
 
 Both record each call's router logits (for the load-balancing loss). `auto` picks megablocks when
-CUDA and the package are present, else the reference.
+CUDA and the package are present, else the reference. A block holding more than its router and
+routed experts (Qwen2-MoE's gated shared expert) keeps transformers' own forward under the
+reference, its router's logits recorded by a hook; megablocks, which computes routed experts
+only, refuses it.
 """
 
 from __future__ import annotations
@@ -60,7 +63,13 @@ class Block:
     top_k: int
     normalize: bool
     act: object
+    router_module: nn.Module
     logits: list[torch.Tensor] = field(default_factory=list)  # router logits of each call (T, E)
+
+    def extras(self) -> list[str]:
+        """The block's parameters besides its router and routed experts (a shared expert, its gate)."""
+        own = {id(self.router), id(self.gate_up), id(self.down)}
+        return [n for n, p in self.module.named_parameters() if id(p) not in own]
 
 
 def blocks(model: nn.Module, family: Family) -> list[Block]:
@@ -79,6 +88,7 @@ def blocks(model: nn.Module, family: Family) -> list[Block]:
             top_k=int(getattr(config, family.top_k_field)),
             normalize=bool(getattr(config, "norm_topk_prob", True)),
             act=experts.act_fn,
+            router_module=model.get_submodule(router_name.rsplit(".", 1)[0]),
         ))
     return out
 
@@ -163,11 +173,17 @@ def patched(model: nn.Module, family: Family, backend: Backend = "auto") -> Iter
     the model for the reference; copied in and written back on exit for megablocks)."""
     chosen = resolve_backend(backend)
     found = blocks(model, family)
+    extras = found[0].extras() if found else []
+    if extras and chosen == "megablocks":
+        raise ConfigurationError(f"--moe-backend megablocks computes routed experts only; {family.name} blocks also hold {', '.join(extras)}: use --moe-backend reference")
     saved = [b.module.forward for b in found]
     engines: list[MegablocksMoE] = []
+    hooks = []
     try:
         for b in found:
-            if chosen == "reference":
+            if extras:  # transformers' own block (its shared expert with it); the router's logits recorded
+                hooks.append(b.router_module.register_forward_hook(lambda m, args, out, b=b: b.logits.append(out[0] if isinstance(out, tuple) else out)))
+            elif chosen == "reference":
                 b.module.forward = lambda hidden_states, b=b: reference_forward(b, hidden_states)
             else:
                 engine = MegablocksMoE(b)
@@ -176,6 +192,8 @@ def patched(model: nn.Module, family: Family, backend: Backend = "auto") -> Iter
                 b.module.forward = engine.forward
         yield found
     finally:
+        for h in hooks:
+            h.remove()
         for engine in engines:
             engine.write_back()
         for b, forward in zip(found, saved):

@@ -100,7 +100,8 @@ def count_parameters(shapes: dict[str, tuple[int, ...]], family: Family, num_exp
         elif role.kind == "fused":
             expert_layer[role.layer] = expert_layer.get(role.layer, 0) + n // num_experts
     per_layer = sum(expert_layer.values())
-    return {"total": total, "shared": shared, "router": router, "expert_per_layer_sum": per_layer, "path": shared + per_layer}
+    own_router = 0 if family.has_dense_sibling else router // num_experts  # a "moe" path keeps its expert's router row
+    return {"total": total, "shared": shared, "router": router, "expert_per_layer_sum": per_layer, "path": shared + per_layer + own_router}
 
 
 def spec_parameters(spec: ModelSpec) -> dict[str, int]:

@@ -1,8 +1,12 @@
 """MoE families as data: one TOML per family in configs/families/ (mergekit's habit).
 
 A family says where the router and expert tensors live (in memory: fused 3-D; on disk: per expert),
-which dense class a path becomes, and how MoE config fields map to the dense sibling's. Adding a
-family is adding a file; nothing here names a family.
+which class a path becomes, and how MoE config fields map to the path's. A path takes one of two
+forms (`path_form`): "dense", the family's dense sibling with the chosen expert as each layer's
+MLP (Mixtral -> Mistral), or "moe", the family's own class with one routed expert per layer, for a
+family no dense class reproduces (a gated shared expert, norms no dense class has): its router
+(one row, the chosen expert's) gives weight 1 whatever it holds, since softmax over one expert is
+1. Adding a family is adding a file; nothing here names a family.
 """
 
 from __future__ import annotations
@@ -69,6 +73,12 @@ class Family:
     dense_rename: dict[str, str]
     require: dict[str, Any]
     upcycle_set: dict[str, Any]
+    path_form: Literal["dense", "moe"] = "dense"
+    dense_set: dict[str, Any] | None = None  # fields the path config sets (a "moe" path: one expert, top-1)
+
+    @property
+    def has_dense_sibling(self) -> bool:
+        return self.path_form == "dense"
 
     # -- tensor names ---------------------------------------------------------------------------
     def disk_expert(self, layer: int, expert: int, part: Part) -> str:
@@ -76,8 +86,21 @@ class Family:
         return fill(self.experts_disk[part], layer, expert)
 
     def dense_mlp(self, layer: int, part: Part) -> str:
-        """The dense sibling's MLP tensor name."""
+        """Where a path keeps its chosen expert's projection, as saved (the dense sibling's MLP, or
+        expert 0 of a "moe" path)."""
         return fill(self.experts_dense[part], layer)
+
+    def path_expert_parameters(self, layer: int) -> list[str]:
+        """The path's own parameters of a layer (its expert), as a loaded model names them."""
+        if self.has_dense_sibling:
+            return [self.dense_mlp(layer, p) for p in PARTS]
+        return [fill(t, layer) for t in self.experts_memory.values()]
+
+    def mlp_module(self, layer: int) -> str:
+        """The module of a path model whose input is what the MoE's router sees."""
+        if self.has_dense_sibling:
+            return self.dense_mlp(layer, "gate").rsplit(".", 2)[0]
+        return fill(self.router["memory"], layer).rsplit(".", 2)[0]
 
     def classify(self, name: str) -> TensorRole:
         """The role of a tensor of the MoE, by its disk or memory name."""
@@ -113,10 +136,15 @@ class Family:
                 )
 
     def dense_config(self, moe_config: dict[str, Any]) -> dict[str, Any]:
-        """The dense sibling's config for a path of this MoE: every shared field copied."""
-        out = {k: moe_config[k] for k in self.dense_copy if k in moe_config}
+        """The config of a path of this MoE: the dense sibling's, every shared field copied (or, a
+        "moe" path, the MoE's own with one expert and top-1)."""
+        if self.dense_copy == ("*",):
+            out = {k: v for k, v in moe_config.items() if k not in (*self.num_experts_aliases, "architectures", "model_type")}
+        else:
+            out = {k: moe_config[k] for k in self.dense_copy if k in moe_config}
         for src, dst in self.dense_rename.items():
             out[dst] = moe_config[src]
+        out.update(self.dense_set or {})
         out["model_type"] = self.dense_model_type
         out["architectures"] = [self.dense_architecture]
         return out
@@ -159,6 +187,8 @@ def families() -> dict[str, Family]:
                 dense_rename=d["dense_config"].get("rename", {}),
                 require=d.get("require", {}),
                 upcycle_set=d.get("upcycle_set", {}),
+                path_form=d.get("path_form", "dense"),
+                dense_set=d["dense_config"].get("set"),
             )
     return out
 
@@ -178,14 +208,15 @@ def family_of_config(config: dict[str, Any], what: str) -> Family:
         if fam.moe_model_type == model_type:
             return fam
     supported = ", ".join(f"{f.moe_model_type} ({f.moe_architecture})" for f in families().values())
-    raise ConfigurationError(f"{what} is a {model_type!r} model, not a supported MoE: supported are {supported}")
+    raise ConfigurationError(f"{what} is a {model_type!r} model, not a supported MoE: supported are {supported}; "
+                             f"a family is data: add configs/families/<name>.toml, written like the ones there (README: MoE families)")
 
 
 def family_of_dense_config(config: dict[str, Any], what: str) -> Family:
     """The family whose dense sibling this config is (for upcycling)."""
     model_type = config.get("model_type")
     for fam in families().values():
-        if fam.dense_model_type == model_type:
+        if fam.has_dense_sibling and fam.dense_model_type == model_type:
             return fam
-    supported = ", ".join(f"{f.dense_model_type} ({f.dense_architecture})" for f in families().values())
+    supported = ", ".join(f"{f.dense_model_type} ({f.dense_architecture})" for f in families().values() if f.has_dense_sibling)
     raise ConfigurationError(f"{what} is a {model_type!r} model; upcycling supports {supported}")

@@ -44,13 +44,19 @@ class Piece:
 
 
 def path_pieces(family: Family, tensors: dict[str, TensorEntry], experts: list[int]) -> list[Piece]:
-    """The tensors a path needs, in dense names: shared ones as they are, and in each layer the
-    chosen expert's projections (per-expert tensors, or slices of fused 3-D ones)."""
+    """The tensors a path needs, in its own names: shared ones as they are, and in each layer the
+    chosen expert's projections (per-expert tensors, or slices of fused 3-D ones); a "moe" path
+    also its router's row of the chosen expert."""
     pieces, fused = [], {}
     for name, entry in tensors.items():
         role = family.classify(name)
         if role.kind == "shared":
             pieces.append(Piece(name, entry, name))
+        elif role.kind == "router" and not family.has_dense_sibling:
+            e = experts[role.layer]
+            step = entry.nbytes // entry.shape[0]
+            row = TensorEntry(entry.key, entry.name, entry.dtype, (1, *entry.shape[1:]), entry.begin + e * step, entry.begin + (e + 1) * step)
+            pieces.append(Piece(name, row, f"{name}[{e}]"))
         elif role.kind == "expert" and role.expert == experts[role.layer]:
             pieces.append(Piece(family.dense_mlp(role.layer, role.part), entry, name))
         elif role.kind == "fused":
@@ -112,7 +118,7 @@ def materialize(run: Run, path_id: str, out_dir: str) -> dict[str, Any]:
     download(run.store, run.base, out_dir, lambda n: n if n == "generation_config.json" else None)
     download(run.store, run.tokenizer, out_dir)
     with open(os.path.join(out_dir, "path.json"), "w") as f:
-        json.dump(record, f, indent=2, sort_keys=True)
+        json.dump({**record, "form": family.path_form}, f, indent=2, sort_keys=True)
     return {
         "path": path_id,
         "out": out_dir,

@@ -86,6 +86,52 @@ def describe(run: Run, levels: int | None = None) -> dict[str, Any]:
     return summarize(plan, family.name, params, decomposed="plan" in meta)
 
 
+def describe_config(config_file: str, levels: int = 1, micro_batch: int = 1, seq_len: int = 2048) -> dict[str, Any]:
+    """`paths plan --config`: the plan of a published MoE config (a Hugging Face config.json, no
+    weights), with parameters per path and the memory to train one path in each mode."""
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from paths.families import family_of_config, fill
+
+    try:
+        with open(config_file) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigurationError(f"--config {config_file}: not a readable config.json ({exc})") from None
+    family = family_of_config(config, f"--config {config_file}")
+    family.check_moe_config(config)
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "transformers_version", "torch_dtype", "dtype")}
+    cfg = AutoConfig.for_model(family.moe_model_type, **fields)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(cfg).state_dict().items()}
+    plan = Plan(cfg.num_hidden_layers, family.num_experts(config), levels)
+    params = count_parameters(shapes, family, plan.num_experts)
+    width = shapes[fill(family.experts_memory["gate_up"], 0)][1] // 2
+    out = summarize(plan, family.name, params, decomposed=False)
+    out.update(config=config_file, path_form=family.path_form,
+               memory=memory_plan(params["path"], cfg, width, micro_batch, seq_len), micro_batch=micro_batch, seq_len=seq_len)
+    return out
+
+
+def memory_plan(path_params: int, cfg: Any, expert_width: int, micro_batch: int, seq_len: int) -> dict[str, dict[str, float]]:
+    """GiB to train one path: weights, gradients and AdamW's two moments (exact from the parameter
+    count), and activations (an estimate after Korthikanti et al. 2022, no recomputation: per
+    layer and token 18H + 8I bytes at 16 bits for a SwiGLU block of width I, the attention
+    scores not kept (SDPA / flash attention); plus the logits and their softmax in fp32)."""
+    H, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+    tokens = micro_batch * seq_len
+    act16 = L * tokens * (18 * H + 8 * expert_width) + 2 * tokens * V * 4
+    gib = float(1 << 30)
+    modes = {
+        "fp32 AdamW": {"weights": 4 * path_params, "gradients": 4 * path_params, "optimizer": 8 * path_params, "activations": 2 * act16},
+        "bf16 mixed": {"weights": 4 * path_params, "gradients": 4 * path_params, "optimizer": 8 * path_params, "activations": act16},
+    }
+    return {mode: {**{k: v / gib for k, v in parts.items()}, "total": sum(parts.values()) / gib} for mode, parts in modes.items()}
+
+
 def summarize(plan: Plan, family: str, params: dict[str, int], decomposed: bool) -> dict[str, Any]:
     """The plan table's content from a plan and parameter counts."""
     return {

@@ -17,7 +17,7 @@ from typing import Any
 
 from paths.base import build_model, load_spec, preset_path
 from paths.errors import ConfigurationError, NotFound, PathsError
-from paths.families import Family, family_of_config, family_of_dense_config
+from paths.families import Family, family_of_config, family_of_dense_config, fill
 from paths.tokenizer import check_vocab, load_tokenizer, tokenizer_files, train_bpe
 from storage.layout import Run, open_run
 from storage.manifest import ArtifactWriter, sha256_hex
@@ -31,7 +31,8 @@ MAX_SHARD = "1GB"
 
 
 def _hash_tensors(local_dir: str, family: Family, num_experts: int) -> dict[str, str]:
-    """sha256 of every tensor's bytes; fused expert tensors also per expert slice ('name[e]')."""
+    """sha256 of every tensor's bytes; fused expert tensors also per expert slice ('name[e]'), and
+    routers per row where a path keeps its expert's row (a "moe" path)."""
     from storage.url import open_store
 
     store = open_store(local_dir)
@@ -45,7 +46,8 @@ def _hash_tensors(local_dir: str, family: Family, num_experts: int) -> dict[str,
                 f.seek(e.begin)
                 data = f.read(e.nbytes)
                 out[name] = hashlib.sha256(data).hexdigest()
-                if family.classify(name).kind == "fused":
+                kind = family.classify(name).kind
+                if kind == "fused" or (kind == "router" and not family.has_dense_sibling):
                     step = e.nbytes // num_experts
                     for x in range(num_experts):
                         out[f"{name}[{x}]"] = hashlib.sha256(data[x * step : (x + 1) * step]).hexdigest()
@@ -146,11 +148,52 @@ def _init_from_dir(url: str, from_dir: str, tokenizer_dir: str | None, storage_o
     weights = [f for f in os.listdir(from_dir) if f.endswith(".safetensors")]
     if not weights:
         raise ConfigurationError(f"--from {from_dir}: no .safetensors weights (pickled .bin files are refused: convert them first)")
+    check_checkpoint(family, config, from_dir)
     tok, tok_source = _tokenizer_for(config["vocab_size"], config["vocab_size"], tokenizer_dir, from_dir)
     _require_fresh(url, storage_options)
     run = open_run(url, storage_options, create=True)
     base = write_base(run, from_dir, family, f"dir:{os.path.abspath(from_dir)}")
     return run.update_meta(base=base, tokenizer=write_tokenizer(run, tok, tok_source), dtype=config.get("dtype", config.get("torch_dtype")))
+
+
+def check_checkpoint(family: Family, config: dict[str, Any], folder: str) -> None:
+    """Every router and expert tensor the family's templates name for this config is in the
+    folder's safetensors files, in the shape the config gives (one-line errors otherwise)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from storage.url import open_store
+
+    store = open_store(folder)
+    tensors: dict[str, Any] = {}
+    for fname in sorted(os.listdir(folder)):
+        if fname.endswith(".safetensors"):
+            tensors.update(read_header(store, fname)[0])
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "transformers_version")}
+    try:
+        cfg = AutoConfig.for_model(family.moe_model_type, **fields)
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(f"--from {folder}: config.json is not a valid {family.moe_model_type} config ({exc})") from None
+    with torch.device("meta"):
+        memory = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(cfg).state_dict().items()}
+    experts = family.num_experts(config)
+    for layer in range(int(config["num_hidden_layers"])):
+        want: dict[str, tuple[int, ...]] = {fill(family.router["disk"], layer): memory[fill(family.router["memory"], layer)]}
+        gate_up, down = memory[fill(family.experts_memory["gate_up"], layer)], memory[fill(family.experts_memory["down"], layer)]
+        fused = {fill(t, layer): memory[fill(t, layer)] for t in family.experts_memory.values()}
+        if not all(name in tensors for name in fused):  # on disk one tensor per expert and projection
+            for e in range(experts):
+                want[family.disk_expert(layer, e, "gate")] = want[family.disk_expert(layer, e, "up")] = (gate_up[1] // 2, gate_up[2])
+                want[family.disk_expert(layer, e, "down")] = tuple(down[1:])
+        else:
+            want.update(fused)
+        for name, shape in want.items():
+            if name not in tensors:
+                raise ConfigurationError(f"--from {folder}: the checkpoint has no tensor {name}, which the {family.name} family names for layer {layer}: "
+                                         f"export it with transformers' save_pretrained (or fix configs/families/{family.name}.toml)")
+            if tuple(tensors[name].shape) != shape:
+                raise ConfigurationError(f"--from {folder}: tensor {name} has shape {list(tensors[name].shape)}, its config.json gives {list(shape)}: "
+                                         "the weights and config.json disagree (fix config.json, or re-export the checkpoint)")
 
 
 def upcycle(

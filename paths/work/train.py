@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from paths.errors import ConfigurationError, LeaseLost
-from paths.families import PARTS
 from paths.models import fetch_final, materialize, materialize_expert
 from paths.steps import LMStep, ShardBatches
 from paths.train_config import TrainConfig
@@ -99,7 +98,7 @@ def freeze_shared(model: torch.nn.Module, family: Family, num_layers: int) -> in
     """FlexOlmo's anchoring: only the path's experts (the dense MLP of each layer) keep gradients;
     attention, embeddings, norms and head are frozen, so they stay bitwise the base's. Returns
     the number of trainable parameters."""
-    own = {family.dense_mlp(layer, part) for layer in range(num_layers) for part in PARTS}
+    own = {name for layer in range(num_layers) for name in family.path_expert_parameters(layer)}
     named = dict(model.named_parameters())
     missing = own - named.keys()
     if missing:

@@ -142,3 +142,25 @@ def test_upcycle_cli(tmp_path, tokenizer_dir):
     assert code == 0, err
     code, out, _ = paths("plan", str(tmp_path / "run"), "--json")
     assert json.loads(out)["experts_per_layer"] == 3
+
+
+def test_plan_of_a_published_config_gives_real_sizes_and_the_memory_of_a_path(tmp_path):
+    """Qwen3-30B-A3B without weights: 128 paths of 1.755B parameters (48 layers of shared attention,
+    embeddings and head, one 2048x768 expert per layer), and each mode's memory; a config of an
+    unsupported family (DeepSeek-V3) is one line naming the supported ones."""
+    from paths.families import CONFIGS
+
+    code, out, err = paths("plan", "--config", os.path.join(CONFIGS, "published", "qwen3-30b-a3b.json"), "--json")
+    assert code == 0, err
+    s = json.loads(out)
+    assert s["paths"] == 128 and s["parameters_per_path"] == 1_755_002_880 and s["parameters_total"] == 30_532_122_624
+    full = s["memory"]["fp32 AdamW"]
+    assert abs(full["weights"] + full["gradients"] + full["optimizer"] - 16 * s["parameters_per_path"] / 2**30) < 1e-6
+    assert s["memory"]["bf16 mixed"]["activations"] * 2 == full["activations"]
+    code, out, _ = paths("plan", "--config", os.path.join(CONFIGS, "published", "olmoe-1b-7b.json"), "--levels", "2")
+    assert code == 0 and "paths: 4096" in out and "path form: moe" in out
+    (tmp_path / "dsv3.json").write_text(json.dumps({"model_type": "deepseek_v3", "num_hidden_layers": 61, "n_routed_experts": 256}))
+    code, _, err = paths("plan", "--config", str(tmp_path / "dsv3.json"))
+    one_line_error(code, err, "'deepseek_v3'", "qwen2_moe", "olmoe", "configs/families/<name>.toml")
+    code, _, err = paths("plan")
+    one_line_error(code, err, "a RUN or --config FILE")

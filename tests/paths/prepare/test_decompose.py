@@ -45,6 +45,12 @@ def test_path_logits_equal_moe_with_forced_routing(tiny_run, family_name, tmp_pa
     got = dense(x).logits
     assert (got - want).abs().max().item() < 1e-5
     assert (moe(x).logits - want).abs().max().item() > 1e-4  # the override really changed routing
+    # in bfloat16 (what the composed models are written in): within 2e-2 (the paths here are bitwise)
+    moe16 = AutoModelForCausalLM.from_pretrained(os.path.join(tiny_run.store.root, "base"), dtype=torch.bfloat16).eval()
+    with forced_routing(moe16, get_family(family_name), experts):
+        want16 = moe16(x).logits.float()
+    got16 = AutoModelForCausalLM.from_pretrained(str(tmp_path / "path"), dtype=torch.bfloat16).eval()(x).logits.float()
+    assert (got16 - want16).abs().max().item() < 2e-2
 
 
 def test_parameter_count_matches_config(tiny_run, tmp_path):
@@ -95,13 +101,14 @@ def test_materialize_from_s3_reads_only_the_path(seaweed, bucket, tokenizer_dir,
     assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")) is not None
 
 
-@pytest.mark.parametrize("dense_family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("dense_family", ["mixtral", "qwen3_moe", "flex_olmo"])
 def test_upcycled_moe_equals_dense_model(dense_family, tmp_path, tokenizer_dir):
-    from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     common = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     torch.manual_seed(0)
-    dense = MistralForCausalLM(MistralConfig(**common)) if dense_family == "mixtral" else Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
+    dense = {"mixtral": lambda: MistralForCausalLM(MistralConfig(**common)), "qwen3_moe": lambda: Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common)),
+             "flex_olmo": lambda: Olmo2ForCausalLM(Olmo2Config(**common))}[dense_family]()
     dense.save_pretrained(str(tmp_path / "dense"))
     url = str(tmp_path / "run")
     upcycle(url, str(tmp_path / "dense"), experts=4, top_k=2, tokenizer_dir=tokenizer_dir, seed=3)
