@@ -151,6 +151,22 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
+LINESTYLES = ("-", "--", ":", "-.")
+
+
+def line_style(i: int) -> dict[str, Any]:
+    """Unit i's colour and line style: tab20's 20 colours, then the same colours dashed, dotted and
+    dash-dotted, so up to 80 units (more than any legend shows) never look the same."""
+    k = i % 20  # tab20's even entries are tab10's colours, its odd ones their light variants
+    return {"color": matplotlib_color("tab20", 2 * k if k < 10 else 2 * (k - 10) + 1), "linestyle": LINESTYLES[(i // 20) % len(LINESTYLES)]}
+
+
+def matplotlib_color(cmap: str, k: int) -> tuple[float, ...]:
+    import matplotlib
+
+    return tuple(matplotlib.colormaps[cmap](k))
+
+
 def _legend(ax, n: int) -> None:
     if n <= 32:
         ax.legend(fontsize=7, ncol=2 if n > 16 else 1, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
@@ -165,9 +181,9 @@ def loss_chart(units: dict[str, dict[str, Any]]) -> bytes | None:
     fig, axes = plt.subplots(len(kinds), 1, figsize=(9, 3.6 * len(kinds)), squeeze=False)
     for ax, kind in zip(axes[:, 0], kinds):
         shown = [(n, u) for n, u in sorted(units.items()) if u["kind"] == kind and u["metrics"]]
-        for name, unit in shown:
+        for i, (name, unit) in enumerate(shown):
             steps = [m["step"] for m in unit["metrics"] if "loss" in m]
-            ax.plot(steps, [m["loss"] for m in unit["metrics"] if "loss" in m], lw=1.2, label=name)
+            ax.plot(steps, [m["loss"] for m in unit["metrics"] if "loss" in m], lw=1.2, label=name, **line_style(i))
         ax.set(title=f"{kind}: training loss ({len(shown)} units)", xlabel="optimizer step", ylabel="loss")
         ax.grid(alpha=0.3)
         _legend(ax, len(shown))
@@ -184,11 +200,12 @@ def reward_chart(units: dict[str, dict[str, Any]]) -> bytes | None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 4))
     for i, (name, unit) in enumerate(shown):
-        color = f"C{i % 10}"
+        style = line_style(i)
+        color = style["color"]
         records = [m for m in unit["metrics"] if "reward_mean" in m]
         steps, rewards = [m["step"] for m in records], [m["reward_mean"] for m in records]
         ax.plot(steps, rewards, color=color, alpha=0.25, lw=0.8)
-        ax.plot(steps, _smooth(rewards, max(1, len(rewards) // 10)), color=color, lw=1.6, label=f"{name} rollout reward")
+        ax.plot(steps, _smooth(rewards, max(1, len(rewards) // 10)), lw=1.6, label=f"{name} rollout reward", **style)
         held = [m for m in unit["metrics"] if "heldout_reward" in m]
         if held:
             ax.plot([m["step"] for m in held], [m["heldout_reward"] for m in held], "o--", color=color, ms=4, lw=0.8, label=f"{name} held-out")

@@ -143,3 +143,15 @@ def test_report_bad_input(tmp_path, tokenizer_dir):
     assert result.exit_code == 1 and "already exists: pass --overwrite" in result.output
     assert os.listdir(out) == before
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_no_two_units_of_a_chart_look_the_same():
+    """Past ten units the colours used to repeat (matplotlib's C0-C9): up to 80 units, every unit's
+    (colour, line style) differs, and the first ten keep the usual colours."""
+    import matplotlib.colors
+
+    from compose.report import line_style
+
+    styles = [(matplotlib.colors.to_hex(line_style(i)["color"]), line_style(i)["linestyle"]) for i in range(80)]
+    assert len(set(styles)) == 80
+    assert [c for c, _ in styles[:10]] == [matplotlib.colors.to_hex(f"C{i}") for i in range(10)]
