@@ -139,7 +139,7 @@ def execute(run: Run, plan: ComposePlan) -> dict[str, Any]:
                     if m is not None:
                         new_momentum[entry.name] = m.contiguous()
                 role = family.classify(entry.name)
-                if role.kind == "router" and rows is not None:
+                if role.kind == "router" and role.part != "extra" and rows is not None:
                     new = rows[role.layer]
                 if role.kind in ("router", "fused") and dropped.active:
                     new = new[dropped.keep[role.layer]]

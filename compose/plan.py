@@ -117,7 +117,7 @@ class OptOut:
         return {old: new for new, old in enumerate(self.keep[layer])}
 
 
-def opt_out(plan: Plan, trained_ids: list[str], excluded: list[str], top_k: int) -> OptOut:
+def opt_out(plan: Plan, trained_ids: list[str], excluded: list[str], top_k: int, groups: int = 1) -> OptOut:
     """Which experts to remove so that no excluded path's expert can be selected; an expert an
     included path also trained stays (with only the included paths' deltas)."""
     E = plan.num_experts
@@ -134,6 +134,9 @@ def opt_out(plan: Plan, trained_ids: list[str], excluded: list[str], top_k: int)
     left = E - counts.pop()
     if left < max(1, top_k):
         raise ConfigurationError(f"excluding {','.join(excluded)} leaves {left} experts per layer, fewer than the {top_k} each token uses: exclude fewer")
+    if groups > 1 and (left % groups or left // groups < 2):
+        raise ConfigurationError(f"excluding {','.join(excluded)} leaves {left} experts per layer, which the router's {groups} groups (n_group) cannot split into "
+                                 f"groups of 2 or more: exclude paths whose experts leave whole groups, or compose without --exclude")
     return OptOut(excluded, removed, [[e for e in range(E) if e not in r] for r in removed])
 
 
@@ -289,7 +292,7 @@ def plan_compose(
     ids, excluded = selection(run, plan, paths, include, exclude)
     if not ids:
         raise ConfigurationError(f"no finished path to compose in {run.url}: train some (`paths claim && paths train`) or name them with --paths")
-    dropped = opt_out(plan, ids, excluded, int(base_cfg.get(family.top_k_field, 1)))
+    dropped = opt_out(plan, ids, excluded, int(base_cfg.get(family.top_k_field, 1)), int(base_cfg.get(family.groups_field or "", 1) or 1))
     if dropped.active and (momentum > 0 or previous):
         raise ConfigurationError("--exclude/--include with --momentum or --previous: an opt-out build is for inference; compose it without momentum")
     if previous and momentum > 0:

@@ -81,7 +81,8 @@ def _full_config(config: dict[str, Any]) -> dict[str, Any]:
 
 def count_parameters(shapes: dict[str, tuple[int, ...]], family: Family, num_experts: int) -> dict[str, int]:
     """Parameter counts by role from tensor shapes (disk or memory names): shared, router,
-    experts per layer (one expert), and a path (shared + one expert per layer)."""
+    experts per layer (one expert), and a path: shared + one expert per layer (+ a "moe" path's router
+    and padding experts: what the path model holds)."""
     shared = router = 0
     expert_layer: dict[int, int] = {}
     total = 0
@@ -93,15 +94,17 @@ def count_parameters(shapes: dict[str, tuple[int, ...]], family: Family, num_exp
         role = family.classify(name)
         if role.kind == "shared":
             shared += n
-        elif role.kind == "router":
+        elif role.kind == "router" and role.part != "extra":  # extras (a selection bias) are buffers, not parameters
             router += n
         elif role.kind == "expert" and role.expert == 0:
             expert_layer[role.layer] = expert_layer.get(role.layer, 0) + n
         elif role.kind == "fused":
             expert_layer[role.layer] = expert_layer.get(role.layer, 0) + n // num_experts
     per_layer = sum(expert_layer.values())
-    own_router = 0 if family.has_dense_sibling else router // num_experts  # a "moe" path keeps its expert's router row
-    return {"total": total, "shared": shared, "router": router, "expert_per_layer_sum": per_layer, "path": shared + per_layer + own_router}
+    path = shared + per_layer
+    if family.path_form == "moe":  # its own class: a router (its expert's row, or zeros for each expert it holds) and any padding experts
+        path += router // num_experts * (1 if family.path_router == "row" else family.path_experts) + (family.path_experts - 1) * per_layer
+    return {"total": total, "shared": shared, "router": router, "expert_per_layer_sum": per_layer, "path": path}
 
 
 def spec_parameters(spec: ModelSpec) -> dict[str, int]:

@@ -6,7 +6,12 @@ forms (`path_form`): "dense", the family's dense sibling with the chosen expert 
 MLP (Mixtral -> Mistral), or "moe", the family's own class with one routed expert per layer, for a
 family no dense class reproduces (a gated shared expert, norms no dense class has): its router
 (one row, the chosen expert's) gives weight 1 whatever it holds, since softmax over one expert is
-1. Adding a family is adding a file; nothing here names a family.
+1. A family whose router cannot run with one expert (DeepSeek-V3's group-limited top-k takes two
+experts a group) pads its "moe" paths (`[path]`): `experts = 2` with the others zero and never
+chosen, `router = "zeros"`, and `fill` for router extras such as a selection bias that always
+picks expert 0. A family whose router scales the chosen weights (`routed_scaling_factor`) names
+that field as `forced_weight_field`: forcing one expert gives it that weight, in the MoE and in
+the path alike. Adding a family is adding a file; nothing here names a family.
 """
 
 from __future__ import annotations
@@ -75,6 +80,19 @@ class Family:
     upcycle_set: dict[str, Any]
     path_form: Literal["dense", "moe"] = "dense"
     dense_set: dict[str, Any] | None = None  # fields the path config sets (a "moe" path: one expert, top-1)
+    router_extras: tuple[str, ...] = ()  # router tensors besides its weight (a selection bias), one entry per expert
+    forced_weight_field: str | None = None  # the config field a forced expert's weight is (else 1)
+    groups_field: str | None = None  # the config field of group-limited routing's groups (each needs 2 experts or more)
+    path_experts: int = 1  # experts a "moe" path holds: the chosen one first, zeros after it
+    path_router: Literal["row", "zeros"] = "row"  # a "moe" path's router: the chosen expert's row of the base's, or zeros
+    path_fill: dict[str, list[float]] | None = None  # router extras of a "moe" path, as values
+
+    def forced_weight(self, config: Any) -> float:
+        """The weight a token sent to one expert gets (routed_scaling_factor for DeepSeek-V3's router)."""
+        if self.forced_weight_field is None:
+            return 1.0
+        value = config.get(self.forced_weight_field) if isinstance(config, dict) else getattr(config, self.forced_weight_field, None)
+        return 1.0 if value is None else float(value)
 
     @property
     def has_dense_sibling(self) -> bool:
@@ -108,6 +126,10 @@ class Family:
             m = _regex(self.router[layout]).match(name)
             if m:
                 return TensorRole("router", int(m["layer"]))
+        for template in self.router_extras:
+            m = _regex(template).match(name)
+            if m:
+                return TensorRole("router", int(m["layer"]), part="extra")
         for part, template in self.experts_disk.items():
             m = _regex(template).match(name)
             if m:
@@ -179,7 +201,13 @@ def families() -> dict[str, Family]:
                 num_experts_field=d["num_experts_field"],
                 num_experts_aliases=tuple(d.get("num_experts_aliases", ())),
                 top_k_field=d["top_k_field"],
-                router=d["router"],
+                router={k: v for k, v in d["router"].items() if k != "extras"},
+                router_extras=tuple(d["router"].get("extras", ())),
+                forced_weight_field=d.get("forced_weight_field"),
+                groups_field=d.get("groups_field"),
+                path_experts=int(d.get("path", {}).get("experts", 1)),
+                path_router=d.get("path", {}).get("router", "row"),
+                path_fill=d.get("path", {}).get("fill"),
                 experts_memory=d["experts"]["memory"],
                 experts_disk=d["experts"]["disk"],
                 experts_dense=d["experts"]["dense"],

@@ -10,6 +10,7 @@ their manifest's hash; on a local store they are read in place.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -23,7 +24,7 @@ import torch
 
 from paths.base import base_tensors, require_base
 from paths.errors import ConfigurationError, IntegrityError, NotFound
-from paths.families import PARTS, Family
+from paths.families import PARTS, Family, fill
 from paths.tokenizer import load_tokenizer
 from paths.units import read_path, run_plan
 from storage.layout import Run
@@ -52,7 +53,7 @@ def path_pieces(family: Family, tensors: dict[str, TensorEntry], experts: list[i
         role = family.classify(name)
         if role.kind == "shared":
             pieces.append(Piece(name, entry, name))
-        elif role.kind == "router" and not family.has_dense_sibling:
+        elif role.kind == "router" and not family.has_dense_sibling and family.path_router == "row" and role.part != "extra":
             e = experts[role.layer]
             step = entry.nbytes // entry.shape[0]
             row = TensorEntry(entry.key, entry.name, entry.dtype, (1, *entry.shape[1:]), entry.begin + e * step, entry.begin + (e + 1) * step)
@@ -81,6 +82,34 @@ def path_pieces(family: Family, tensors: dict[str, TensorEntry], experts: list[i
     return sorted(pieces, key=lambda p: p.dense_name)
 
 
+def path_fills(family: Family, tensors: dict[str, TensorEntry], num_layers: int) -> list[tuple[OutTensor, bytes]]:
+    """The tensors a padded "moe" path holds that no base bytes give (families.py `[path]`): the
+    experts after the chosen one (zeros, never chosen), a zero router, and the router extras'
+    values."""
+    if family.has_dense_sibling or (family.path_experts == 1 and family.path_router == "row" and not family.path_fill):
+        return []
+    out: list[tuple[OutTensor, bytes]] = []
+
+    def add(name: str, dtype: str, values: torch.Tensor) -> None:
+        data = values.to(DTYPES[dtype]).contiguous().view(torch.uint8).numpy().tobytes()
+        out.append((OutTensor(name, dtype, tuple(values.shape), len(data)), data))
+
+    for layer in range(num_layers):
+        router = tensors[fill(family.router["disk"], layer)]
+        if family.path_router == "zeros":
+            add(fill(family.router["disk"], layer), router.dtype, torch.zeros(family.path_experts, *router.shape[1:]))
+        for template, values in (family.path_fill or {}).items():
+            name = fill(template, layer)
+            if name not in tensors:
+                raise IntegrityError(f"base/ lacks {name}, which configs/families/{family.name}.toml fills in a path: the checkpoint does not match its family")
+            add(name, tensors[name].dtype, torch.tensor(values, dtype=torch.float64))
+        for k in range(1, family.path_experts):
+            for part in PARTS:
+                like = tensors[family.disk_expert(layer, 0, part)]
+                add(family.disk_expert(layer, k, part), like.dtype, torch.zeros(like.shape))
+    return out
+
+
 def materialize(run: Run, path_id: str, out_dir: str) -> dict[str, Any]:
     """Write the dense path as a standalone HF checkpoint folder (local) by ranged reads of base/.
 
@@ -98,9 +127,11 @@ def materialize(run: Run, path_id: str, out_dir: str) -> dict[str, Any]:
     # memory at a time, and each tensor's sha256 is checked as its bytes pass.
     pieces.sort(key=lambda p: (p.source.key, p.source.begin))
     order = [OutTensor(p.dense_name, p.source.dtype, p.source.shape, p.source.nbytes) for p in pieces]
+    fills = path_fills(family, tensors, len(record["experts"]))
+    order += [t for t, _ in fills]
     plan = read_plan([p.source for p in pieces])
     checker = _Checker(run, pieces, hashes, plan)
-    chunks = (checker.feed(c) for c in read_ranges(run.store, plan, checker.on_read))
+    chunks = itertools.chain((checker.feed(c) for c in read_ranges(run.store, plan, checker.on_read)), (data for _, data in fills))
     os.makedirs(out_dir, exist_ok=True)
     tmp = os.path.join(out_dir, f".{WEIGHTS}.partial")
     try:

@@ -102,9 +102,9 @@ def describe_config(config_file: str, levels: int = 1, micro_batch: int = 1, seq
     except (OSError, ValueError) as exc:
         raise ConfigurationError(f"--config {config_file}: not a readable config.json ({exc})") from None
     family = family_of_config(config, f"--config {config_file}")
-    family.check_moe_config(config)
     fields = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "transformers_version", "torch_dtype", "dtype")}
     cfg = AutoConfig.for_model(family.moe_model_type, **fields)
+    family.check_moe_config(cfg.to_dict())  # with the class's defaults: a field left out may still make dense layers
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(cfg).state_dict().items()}
     plan = Plan(cfg.num_hidden_layers, family.num_experts(config), levels)

@@ -179,6 +179,7 @@ def check_checkpoint(family: Family, config: dict[str, Any], folder: str) -> Non
     experts = family.num_experts(config)
     for layer in range(int(config["num_hidden_layers"])):
         want: dict[str, tuple[int, ...]] = {fill(family.router["disk"], layer): memory[fill(family.router["memory"], layer)]}
+        want.update({fill(t, layer): memory[fill(t, layer)] for t in family.router_extras})
         gate_up, down = memory[fill(family.experts_memory["gate_up"], layer)], memory[fill(family.experts_memory["down"], layer)]
         fused = {fill(t, layer): memory[fill(t, layer)] for t in family.experts_memory.values()}
         if not all(name in tensors for name in fused):  # on disk one tensor per expert and projection

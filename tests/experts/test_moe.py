@@ -11,7 +11,8 @@ from paths.base import build_model, load_spec, preset_path
 from paths.families import get_family
 
 
-FAMILIES = {"tiny-mixtral": "mixtral", "tiny-qwen3moe": "qwen3_moe", "tiny-qwen2moe": "qwen2_moe", "tiny-olmoe": "olmoe", "tiny-flexolmo": "flex_olmo"}
+FAMILIES = {"tiny-mixtral": "mixtral", "tiny-qwen3moe": "qwen3_moe", "tiny-qwen2moe": "qwen2_moe", "tiny-olmoe": "olmoe", "tiny-flexolmo": "flex_olmo",
+            "tiny-deepseekv3": "deepseek_v3", "tiny-glm4moe": "glm4_moe"}
 
 
 def tiny(preset: str, seed: int = 0):

@@ -14,8 +14,9 @@ from paths.work.rollouts import sampler
 # Greedy agreement at random init. FlexOlmo is post-norm: each sublayer's output (tiny at random
 # init) is normalised to the residual's scale, int8's rounding with it, so near-flat logits flip
 # more often (85% where the top-2 margin exceeds 0.01, against 98-100% for the pre-norm families);
-# the KL bound is the same for every family.
-AGREE = {"flex_olmo": 0.8}
+# the KL bound is the same for every family. The tiny DeepSeek-V3's logits are flatter still: 17% of
+# positions have a top-2 margin under 0.01, where int8 flips them; elsewhere 98.8% agree.
+AGREE = {"flex_olmo": 0.8, "deepseek_v3": 0.85}
 
 
 def test_int8_copy_quantizes_experts_and_linears_keeps_routers(tiny_run, family_name):
