@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from paths.errors import ConfigurationError, IntegrityError, NotFound
+from paths.families import fill
 from paths.models import DTYPES
 from paths.units import finished_paths
 from storage.layout import Run
@@ -91,7 +92,11 @@ def _fused_sources(family: Family, role: Any, e: int, trained: list[Trained], sh
     for t in trained:
         if t.experts[role.layer] != e:
             continue
-        if role.part == "gate_up":  # [2I, H] = gate rows then up rows
+        name = fill(family.experts_memory[role.part], role.layer)
+        if not family.has_dense_sibling and name in t.tensors:  # a "moe" path keeps the fused tensor, one expert in it
+            entry = _check_shape(run, t, name, (1, *shape))
+            out.append((t, TensorEntry(entry.key, entry.name, entry.dtype, tuple(shape), entry.begin, entry.end)))
+        elif role.part == "gate_up":  # [2I, H] = gate rows then up rows
             gate = _check_shape(run, t, family.dense_mlp(role.layer, "gate"), (shape[0] // 2, shape[1]))
             up = _check_shape(run, t, family.dense_mlp(role.layer, "up"), (shape[0] // 2, shape[1]))
             out.append((t, (gate, up)))

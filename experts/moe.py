@@ -87,7 +87,7 @@ def blocks(model: nn.Module, family: Family) -> list[Block]:
             down=model.get_parameter(fill(family.experts_memory["down"], layer)),
             top_k=int(getattr(config, family.top_k_field)),
             normalize=bool(getattr(config, "norm_topk_prob", True)),
-            act=experts.act_fn,
+            act=getattr(experts, "act_fn", None),  # None: the family's own activation (its block keeps transformers' forward)
             router_module=model.get_submodule(router_name.rsplit(".", 1)[0]),
         ))
     return out

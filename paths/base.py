@@ -83,7 +83,7 @@ def count_parameters(shapes: dict[str, tuple[int, ...]], family: Family, num_exp
     """Parameter counts by role from tensor shapes (disk or memory names): shared, router,
     experts per layer (one expert), and a path: shared + one expert per layer (+ a "moe" path's router
     and padding experts: what the path model holds)."""
-    shared = router = 0
+    shared = router = extras = 0
     expert_layer: dict[int, int] = {}
     total = 0
     for name, shape in shapes.items():
@@ -94,7 +94,9 @@ def count_parameters(shapes: dict[str, tuple[int, ...]], family: Family, num_exp
         role = family.classify(name)
         if role.kind == "shared":
             shared += n
-        elif role.kind == "router" and role.part != "extra":  # extras (a selection bias) are buffers, not parameters
+        elif role.kind == "router" and role.part == "extra":
+            extras += n
+        elif role.kind == "router":
             router += n
         elif role.kind == "expert" and role.expert == 0:
             expert_layer[role.layer] = expert_layer.get(role.layer, 0) + n
@@ -103,7 +105,9 @@ def count_parameters(shapes: dict[str, tuple[int, ...]], family: Family, num_exp
     per_layer = sum(expert_layer.values())
     path = shared + per_layer
     if family.path_form == "moe":  # its own class: a router (its expert's row, or zeros for each expert it holds) and any padding experts
-        path += router // num_experts * (1 if family.path_router == "row" else family.path_experts) + (family.path_experts - 1) * per_layer
+        # a row router keeps its extras' rows (GPT-OSS's router bias, a parameter); a zero router fills them (DeepSeek-V3's selection bias, a buffer)
+        own = (router + extras) // num_experts if family.path_router == "row" else router // num_experts * family.path_experts
+        path += own + (family.path_experts - 1) * per_layer
     return {"total": total, "shared": shared, "router": router, "expert_per_layer_sum": per_layer, "path": path}
 
 

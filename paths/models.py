@@ -47,13 +47,14 @@ class Piece:
 def path_pieces(family: Family, tensors: dict[str, TensorEntry], experts: list[int]) -> list[Piece]:
     """The tensors a path needs, in its own names: shared ones as they are, and in each layer the
     chosen expert's projections (per-expert tensors, or slices of fused 3-D ones); a "moe" path
-    also its router's row of the chosen expert."""
+    also its router's row of the chosen expert (and of its extras, such as a router bias), and
+    keeps a fused expert tensor fused, as its one-expert slice."""
     pieces, fused = [], {}
     for name, entry in tensors.items():
         role = family.classify(name)
         if role.kind == "shared":
             pieces.append(Piece(name, entry, name))
-        elif role.kind == "router" and not family.has_dense_sibling and family.path_router == "row" and role.part != "extra":
+        elif role.kind == "router" and not family.has_dense_sibling and family.path_router == "row":
             e = experts[role.layer]
             step = entry.nbytes // entry.shape[0]
             row = TensorEntry(entry.key, entry.name, entry.dtype, (1, *entry.shape[1:]), entry.begin + e * step, entry.begin + (e + 1) * step)
@@ -67,7 +68,9 @@ def path_pieces(family: Family, tensors: dict[str, TensorEntry], experts: list[i
         step = entry.nbytes // entry.shape[0]
         begin = entry.begin + e * step
         sub_shape = entry.shape[1:]
-        if part == "gate_up":
+        if not family.has_dense_sibling:  # its own class: the same fused tensor with one expert
+            pieces.append(Piece(entry.name, TensorEntry(entry.key, entry.name, entry.dtype, (1, *sub_shape), begin, begin + step), f"{entry.name}[{e}]"))
+        elif part == "gate_up":
             half = step // 2
             rows = sub_shape[0] // 2
             for k, p in enumerate(("gate", "up")):

@@ -73,7 +73,7 @@ def store(store_url):
 
 
 # -- models -----------------------------------------------------------------------------------
-PRESETS = {"mixtral": "tiny-mixtral", "qwen3_moe": "tiny-qwen3moe", "qwen2_moe": "tiny-qwen2moe", "olmoe": "tiny-olmoe", "flex_olmo": "tiny-flexolmo", "deepseek_v3": "tiny-deepseekv3", "glm4_moe": "tiny-glm4moe"}
+PRESETS = {"mixtral": "tiny-mixtral", "qwen3_moe": "tiny-qwen3moe", "qwen2_moe": "tiny-qwen2moe", "olmoe": "tiny-olmoe", "flex_olmo": "tiny-flexolmo", "deepseek_v3": "tiny-deepseekv3", "glm4_moe": "tiny-glm4moe", "gpt_oss": "tiny-gptoss"}
 
 
 @pytest.fixture(scope="session")

@@ -182,7 +182,7 @@ def check_checkpoint(family: Family, config: dict[str, Any], folder: str) -> Non
         want.update({fill(t, layer): memory[fill(t, layer)] for t in family.router_extras})
         gate_up, down = memory[fill(family.experts_memory["gate_up"], layer)], memory[fill(family.experts_memory["down"], layer)]
         fused = {fill(t, layer): memory[fill(t, layer)] for t in family.experts_memory.values()}
-        if not all(name in tensors for name in fused):  # on disk one tensor per expert and projection
+        if family.experts_disk and not all(name in tensors for name in fused):  # on disk one tensor per expert and projection
             for e in range(experts):
                 want[family.disk_expert(layer, e, "gate")] = want[family.disk_expert(layer, e, "up")] = (gate_up[1] // 2, gate_up[2])
                 want[family.disk_expert(layer, e, "down")] = tuple(down[1:])

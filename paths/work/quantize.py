@@ -17,6 +17,8 @@ import warnings
 import torch
 from torch import nn
 
+from paths.errors import ConfigurationError
+
 
 def _quantize(module: nn.Module) -> nn.Module:
     with warnings.catch_warnings():
@@ -46,7 +48,8 @@ class Int8Experts(nn.Module):
     def __init__(self, experts: nn.Module):
         super().__init__()
         if getattr(experts, "is_transposed", False) or getattr(experts, "has_bias", False) or not getattr(experts, "is_concatenated", True):
-            raise NotImplementedError(f"int8 sampling supports experts stored as [E, 2I, H] / [E, H, I] without bias; {type(experts).__name__} is laid out otherwise")
+            raise ConfigurationError(f"int8 sampling (--dtype int8) takes experts stored as [E, 2I, H] / [E, H, I] without bias; {type(experts).__name__} is laid out "
+                                     "otherwise: sample in fp32 or bf16")
         self.num_experts = experts.gate_up_proj.shape[0]
         self.act_fn = experts.act_fn
         self.gate_up = _linears(experts.gate_up_proj)

@@ -18,9 +18,23 @@ from compose.merge import compose_moe
 from compose.rounds import next_round
 from paths.models import materialize
 from paths.errors import ConfigurationError
-from paths.families import get_family
+from paths.families import fill, get_family
 from paths.prepare.decompose import decompose
 from tests.compose.test_compose import base_weights, composed, finish
+
+
+def expert(family, weights, layer: int, e: int, part: str = "down") -> torch.Tensor:
+    """Expert e's projection in an MoE's tensors: its own tensor, or its slice of a fused one (GPT-OSS)."""
+    return weights[family.disk_expert(layer, e, part)] if family.experts_disk else weights[fill(family.experts_memory[part], layer)][e]
+
+
+def expert_name(family, layer: int, e: int, part: str = "down") -> str:
+    return family.disk_expert(layer, e, part) if family.experts_disk else fill(family.experts_memory[part], layer)
+
+
+def path_expert(family, weights, layer: int, part: str = "down") -> torch.Tensor:
+    """A path's expert projection: a tensor of its own, or the one expert of a fused tensor."""
+    return weights[family.dense_mlp(layer, part)] if family.experts_disk or family.has_dense_sibling else weights[family.dense_mlp(layer, part)][0]
 
 
 def test_compose_of_decompose_is_the_model_bitwise(tiny_run, tmp_path):
@@ -45,8 +59,8 @@ def test_a_paths_expert_and_the_shared_tensors_compose_into_their_places(tiny_ru
     assert path_json["form"] == family.path_form
     compose_moe(tiny_run, "c")
     base, out = base_weights(tiny_run), composed(tiny_run, "c")
-    down = family.disk_expert(1, 2, "down")
-    assert torch.equal(out[down], base[down] + 0.5) and torch.equal(out[family.disk_expert(1, 3, "down")], base[family.disk_expert(1, 3, "down")])
+    down = expert_name(family, 1, 2)
+    assert torch.equal(expert(family, out, 1, 2), expert(family, base, 1, 2) + 0.5) and torch.equal(expert(family, out, 1, 3), expert(family, base, 1, 3))
     assert torch.allclose(out[shared], base[shared] - 0.25)
     changed = {k for k in base if not torch.equal(base[k], out[k])}
     assert changed == {down, shared}, changed
@@ -96,7 +110,7 @@ def test_every_stage_runs_on_the_family(tiny_run, family_name, tmp_path):
     base = base_weights(run)
     family = get_family(family_name)
     assert all(torch.equal(v, base[k]) for k, v in anchored.items() if k in base and family.classify(k).kind == "shared")
-    assert not torch.equal(anchored[family.dense_mlp(0, "down")], base[family.disk_expert(0, 3, "down")])
+    assert not torch.equal(path_expert(family, anchored, 0), expert(family, base, 0, 3))
     compose_moe(run, "moe")
     for router in ("centroid", "domain-embed"):
         record = compose_moe(run, router, router=router, router_data="lm", router_docs=8)
@@ -126,4 +140,4 @@ def test_every_stage_runs_on_the_family(tiny_run, family_name, tmp_path):
     next_round(run, "moe")  # DiLoCo: the composed model is the next round's base, cut into paths again
     assert decompose(run, 1)["paths"] == ["p00", "p01", "p02", "p03"]
     materialize(run, "p02", str(tmp_path / "round2-p02"))
-    assert torch.equal(load_file(str(tmp_path / "round2-p02" / "model.safetensors"))[family.dense_mlp(1, "down")], composed(run, "moe")[family.disk_expert(1, 2, "down")])
+    assert torch.equal(path_expert(family, load_file(str(tmp_path / "round2-p02" / "model.safetensors")), 1), expert(family, composed(run, "moe"), 1, 2))

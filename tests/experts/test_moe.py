@@ -12,7 +12,7 @@ from paths.families import get_family
 
 
 FAMILIES = {"tiny-mixtral": "mixtral", "tiny-qwen3moe": "qwen3_moe", "tiny-qwen2moe": "qwen2_moe", "tiny-olmoe": "olmoe", "tiny-flexolmo": "flex_olmo",
-            "tiny-deepseekv3": "deepseek_v3", "tiny-glm4moe": "glm4_moe"}
+            "tiny-deepseekv3": "deepseek_v3", "tiny-glm4moe": "glm4_moe", "tiny-gptoss": "gpt_oss"}
 
 
 def tiny(preset: str, seed: int = 0):

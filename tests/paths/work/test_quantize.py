@@ -3,8 +3,11 @@ routers in fp32, the learner's model untouched, and logits close to the fp32 mod
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
+
+from paths.errors import ConfigurationError
 
 from paths.models import load_base_model
 from paths.work.quantize import Int8Experts, int8_copy, is_fused_experts
@@ -19,7 +22,18 @@ from paths.work.rollouts import sampler
 AGREE = {"flex_olmo": 0.8, "deepseek_v3": 0.85}
 
 
+def refuses_int8(tiny_run, family_name) -> bool:
+    """GPT-OSS's experts are transposed, with biases: int8 sampling refuses them in one line."""
+    if family_name != "gpt_oss":
+        return False
+    with pytest.raises(ConfigurationError, match="sample in fp32 or bf16"):
+        int8_copy(load_base_model(tiny_run))
+    return True
+
+
 def test_int8_copy_quantizes_experts_and_linears_keeps_routers(tiny_run, family_name):
+    if refuses_int8(tiny_run, family_name):
+        return
     model = load_base_model(tiny_run).eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     q = int8_copy(model)
@@ -43,8 +57,10 @@ def test_int8_copy_quantizes_experts_and_linears_keeps_routers(tiny_run, family_
     assert agree > AGREE.get(family_name, 0.9), f"greedy tokens agree on {agree:.2%} only"
 
 
-def test_sampler_int8_routes_each_token_as_the_fp32_experts_do(tiny_run):
+def test_sampler_int8_routes_each_token_as_the_fp32_experts_do(tiny_run, family_name):
     """With one expert forced per token, Int8Experts adds each expert's output where transformers' loop does."""
+    if refuses_int8(tiny_run, family_name):
+        return
     model = load_base_model(tiny_run).eval()
     experts = next(m for m in model.modules() if is_fused_experts(m))
     q = Int8Experts(experts)
