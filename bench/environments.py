@@ -6,7 +6,7 @@ and the throughput of multi-turn episodes.
 1. Single turn. The same questions (the rows of `verifiers:calc_single`) sharded twice into one
    run: as a plain JSONL prompt dataset scored by a `module:function` reward that reads the answer
    the way the rubric does (the direct prompt path), and as the environment (chat template,
-   verifiers' rubric through `Rubric.score_rollout`). The same tiny-mixtral path samples G
+   verifiers' rubric through `Rubric.score_group`). The same tiny-mixtral path samples G
    completions of every prompt with the same seed, so both arms sample the same number of tokens
    (a random-init model rarely samples EOS; the tokens are counted and printed). The direct arm
    samples the same chat-rendered prompt tokens (so the comparison isolates the environment:
@@ -15,7 +15,7 @@ and the throughput of multi-turn episodes.
    rollout's sampling and scoring (`sample_and_score`), the median of `--repeats` alternating runs.
    Goal: the environment path costs <= 10% more. The rubric's cost is per completion, not per
    token, so its share shrinks as the model grows: `--preset` repeats this arm for each preset
-   named (tiny-mixtral's path has ~0.1M parameters, small-mixtral's ~3.4M, bench-mixtral's ~98M).
+   named (tiny-mixtral's path has 0.19M parameters, small-mixtral's 4.46M, bench-mixtral's ~98M).
 2. Multi-turn. A path warmed up by SFT on `calc_tools.demonstrations()` (it calls the `add` tool,
    mostly with the wrong numbers) runs G episodes of every prompt of `verifiers:calc_tools`
    through verifiers' rollout loop; reported: model tokens/s, environment tokens, turns per episode

@@ -52,12 +52,15 @@ def upcycle(run: str, from_dir: str, experts: int, top_k: int, noise: float, see
 @click.option("--micro-batch", default=1, show_default=True, help="--config: sequences per micro-batch, for the activation estimate.")
 @click.option("--seq-len", default=2048, show_default=True, help="--config: tokens per sequence, for the activation estimate.")
 @click.option("--json", "as_json_", is_flag=True)
-def plan(run: str | None, levels: int | None, config_file: str | None, micro_batch: int, seq_len: int, as_json_: bool) -> None:
+@click.pass_context
+def plan(ctx: click.Context, run: str | None, levels: int | None, config_file: str | None, micro_batch: int, seq_len: int, as_json_: bool) -> None:
     """Levels, layers per level, number of paths and parameters per path (of a run, or of a config)."""
     from paths.errors import ConfigurationError
     from paths.prepare.decompose import describe, describe_config
     from storage.layout import open_run
 
+    if config_file and ctx.get_parameter_source("run") == click.core.ParameterSource.ENVIRONMENT:
+        run = None  # PATHS_RUN exported for the other commands: --config says which model
     if (run is None) == (config_file is None):
         raise ConfigurationError("paths plan takes a RUN or --config FILE (a config.json), one of them")
     summary = describe_config(config_file, levels or 1, micro_batch, seq_len) if config_file else describe(open_run(run), levels)

@@ -139,8 +139,8 @@ def execute(run: Run, plan: ComposePlan) -> dict[str, Any]:
                     if m is not None:
                         new_momentum[entry.name] = m.contiguous()
                 role = family.classify(entry.name)
-                if role.kind == "router" and role.part != "extra" and rows is not None:
-                    new = rows[role.layer]
+                if role.kind == "router" and rows is not None:  # new rows: the extras fitted to the old ones (a bias) start at zero
+                    new = rows[role.layer] if role.part != "extra" else torch.zeros_like(new)
                 if role.kind in ("router", "fused") and dropped.active:
                     new = new[dropped.keep[role.layer]]
                 return new.to(target).contiguous().view(torch.uint8).numpy() if new.numel() else b""  # buffer, not a copy

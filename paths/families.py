@@ -192,7 +192,7 @@ def families() -> dict[str, Family]:
         if fname.endswith(".toml"):
             with open(os.path.join(folder, fname), "rb") as f:
                 d = tomllib.load(f)
-            out[d["name"]] = Family(
+            out[d["name"]] = _check(Family(
                 name=d["name"],
                 moe_model_type=d["moe_model_type"],
                 moe_architecture=d["moe_architecture"],
@@ -217,8 +217,18 @@ def families() -> dict[str, Family]:
                 upcycle_set=d.get("upcycle_set", {}),
                 path_form=d.get("path_form", "dense"),
                 dense_set=d["dense_config"].get("set"),
-            )
+            ), os.path.join(folder, fname))
     return out
+
+
+def _check(fam: Family, path: str) -> Family:
+    """A family file's values that the code branches on: a typo is one line, not a broken path."""
+    if fam.path_form not in ("dense", "moe") or fam.path_router not in ("row", "zeros") or fam.path_experts < 1:
+        raise ConfigurationError(f"{path}: path_form must be dense or moe, [path] router row or zeros, [path] experts >= 1")
+    for template, values in (fam.path_fill or {}).items():
+        if len(values) != fam.path_experts:
+            raise ConfigurationError(f"{path}: [path] fill {template} has {len(values)} values for {fam.path_experts} experts: give one per expert")
+    return fam
 
 
 def get_family(name: str) -> Family:

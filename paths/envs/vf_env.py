@@ -190,7 +190,7 @@ def prompt_groups(n: int, same: Any) -> list[range]:
     return out
 
 
-_FAILED = re.compile(r"Error calling reward function (\S+): (.*)", re.DOTALL)
+_FAILED = re.compile(r"Error calling (group )?reward function (\S+): (.*)", re.DOTALL)
 
 
 class _Failures(logging.Handler):
@@ -198,19 +198,20 @@ class _Failures(logging.Handler):
 
     def __init__(self) -> None:
         super().__init__(logging.ERROR)
-        self.count: Counter[str] = Counter()
+        self.count: Counter[str] = Counter()  # per rollout
+        self.groups: Counter[str] = Counter()  # per group (a group-level function fails once for its group)
         self.last: dict[str, str] = {}
 
     def emit(self, record: logging.LogRecord) -> None:
         if m := _FAILED.match(record.getMessage()):
-            self.count[m.group(1)] += 1
-            self.last[m.group(1)] = " ".join(m.group(2).split())
+            (self.groups if m.group(1) else self.count)[m.group(2)] += 1
+            self.last[m.group(2)] = " ".join(m.group(3).split())
 
 
 @contextlib.contextmanager
-def rubric_failures(spec: str, n: int) -> Iterator[None]:
-    """Score inside this: a rubric function that failed on all `n` rollouts is an error (one that
-    fails on some keeps verifiers' 0 for those)."""
+def rubric_failures(spec: str, n: int, groups: int | None = None) -> Iterator[None]:
+    """Score inside this: a rubric function that failed on all `n` rollouts (a group-level one on
+    all `groups` groups) is an error; one that fails on some keeps verifiers' 0 for those."""
     handler = _Failures()
     logger = logging.getLogger("verifiers")
     logger.addHandler(handler)
@@ -218,7 +219,7 @@ def rubric_failures(spec: str, n: int) -> Iterator[None]:
         yield
     finally:
         logger.removeHandler(handler)
-    for name, count in handler.count.items():
+    for name, count in [*handler.count.items(), *((k, v * n // max(1, groups or n)) for k, v in handler.groups.items())]:
         if count >= n:
             raise DataError(f"reward {spec!r}: rubric function {name!r} failed on all {n} completions ({handler.last[name]}): "
                             "it must return a float (None and errors score 0 in verifiers)")
@@ -237,15 +238,17 @@ class RubricReward:
         if messages is None:
             raise DataError(f"reward {self.spec.text!r} needs chat prompts: shard the dataset from the {self.spec.text} input")
         n = len(completions)
-        records = [{"messages": messages[i], **{k: v[i] for k, v in fields.items() if k not in ("prompts", "completion_ids")}} for i in range(n)]
+        records = [{"messages": messages[i], **{k: v[i] for k, v in fields.items() if k not in ("prompts", "completion_ids", "_group")}} for i in range(n)]
         client = LocalClient(None)
-        groups = prompt_groups(n, lambda i, j: records[i].get("example_id") == records[j].get("example_id") and records[i]["messages"] == records[j]["messages"])
+        index = fields.get("_group")  # each row's prompt in the batch (sampling.record_fields): a prompt drawn twice is two groups
+        groups = prompt_groups(n, (lambda i, j: index[i] == index[j]) if index is not None else
+                               (lambda i, j: records[i].get("example_id") == records[j].get("example_id") and records[i]["messages"] == records[j]["messages"]))
 
         async def score_all() -> list[tuple[Any, dict[str, Any]]]:
             scored = await asyncio.gather(*(_score_group(self.env, records[g[0]], [completions[i] for i in g], client) for g in groups))
             return [x for group in scored for x in group]
 
-        with rubric_failures(self.spec.label, n):
+        with rubric_failures(self.spec.label, n, len(groups)):
             scored = _run(score_all())
         return [check_score(self.spec.label, reward, metrics) for reward, metrics in scored]
 

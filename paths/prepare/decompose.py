@@ -109,7 +109,10 @@ def describe_config(config_file: str, levels: int = 1, micro_batch: int = 1, seq
         shapes = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(cfg).state_dict().items()}
     plan = Plan(cfg.num_hidden_layers, family.num_experts(config), levels)
     params = count_parameters(shapes, family, plan.num_experts)
-    width = shapes[fill(family.experts_memory["gate_up"], 0)][1] // 2
+    gate_up = shapes[fill(family.experts_memory["gate_up"], 0)]
+    width = gate_up[1] * gate_up[2] // (2 * cfg.hidden_size)  # [E, 2I, H] or GPT-OSS's [E, H, 2I]
+    block = fill(family.router["memory"], 0).rsplit(".", 2)[0] + "."
+    width += sum(a * b for name, (a, b, *_) in ((n, (*s, 1)) for n, s in shapes.items()) if name.startswith(block) and family.classify(name).kind == "shared") // (3 * cfg.hidden_size)  # a shared expert
     out = summarize(plan, family.name, params, decomposed=False)
     out.update(config=config_file, path_form=family.path_form,
                memory=memory_plan(params["path"], cfg, width, micro_batch, seq_len), micro_batch=micro_batch, seq_len=seq_len)
@@ -119,7 +122,8 @@ def describe_config(config_file: str, levels: int = 1, micro_batch: int = 1, seq
 def memory_plan(path_params: int, cfg: Any, expert_width: int, micro_batch: int, seq_len: int) -> dict[str, dict[str, float]]:
     """GiB to train one path: weights, gradients and AdamW's two moments (exact from the parameter
     count), and activations (an estimate after Korthikanti et al. 2022, no recomputation: per
-    layer and token 18H + 8I bytes at 16 bits for a SwiGLU block of width I, the attention
+    layer and token 18H + 8I bytes at 16 bits for a SwiGLU block of width I (the expert's, plus a
+    shared expert's), the attention
     scores not kept (SDPA / flash attention); plus the logits and their softmax in fp32)."""
     H, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
     tokens = micro_batch * seq_len

@@ -182,6 +182,9 @@ def check_checkpoint(family: Family, config: dict[str, Any], folder: str) -> Non
         want.update({fill(t, layer): memory[fill(t, layer)] for t in family.router_extras})
         gate_up, down = memory[fill(family.experts_memory["gate_up"], layer)], memory[fill(family.experts_memory["down"], layer)]
         fused = {fill(t, layer): memory[fill(t, layer)] for t in family.experts_memory.values()}
+        if family.path_experts > 1 and all(name in tensors for name in fused):
+            raise ConfigurationError(f"--from {folder}: its experts are stored fused ({next(iter(fused))}); {family.name} paths need one tensor per expert "
+                                     "and projection on disk: save the model with transformers' save_pretrained")
         if family.experts_disk and not all(name in tensors for name in fused):  # on disk one tensor per expert and projection
             for e in range(experts):
                 want[family.disk_expert(layer, e, "gate")] = want[family.disk_expert(layer, e, "up")] = (gate_up[1] // 2, gate_up[2])

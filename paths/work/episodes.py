@@ -308,12 +308,13 @@ class EpisodeSampler:
                     await self.env.rubric.score_group(states)
             return finished
 
-        with rubric_failures(self.spec.label, len(records) * group), environment_answers(self.env, played) as self.said:
+        own = sum(self.mine(r) for r in records)
+        with rubric_failures(self.spec.label, own * group, own), environment_answers(self.env, played) as self.said:
             return asyncio.run(run_all())
 
     def mine(self, record: dict[str, Any]) -> bool:
         """Is the record this environment's (an episode), or another source's in a mixture (one turn)?"""
-        return record.get("env", self.spec.label) == self.spec.label
+        return record.get("env") == self.spec.label  # every row of an environment carries its label (sources.py)
 
     def __call__(self, model: torch.nn.Module, records: list[dict[str, Any]], rewards: list[Reward], cfg: TrainConfig, tokenizer: Any) -> Samples:
         return self.samples(model, records, rewards, tokenizer, group=cfg.group_size, budget=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
@@ -412,8 +413,15 @@ def dataset_scoring(run: Any, dataset: str, names: list[str]) -> tuple[list[Rewa
     from paths.work.rewards import load_reward, reward_specs
     from sharding.dataset import dataset_manifest
 
-    environments = dataset_manifest(run, dataset).get("environments") or []
+    manifest = dataset_manifest(run, dataset)
+    environments = manifest.get("environments") or []
     check_versions(environments, f"dataset {dataset!r}")
+    from paths.envs.spec import is_env
+
+    plain = [i for i in ((manifest.get("fingerprint") or {}).get("options") or {}).get("inputs", []) if not is_env(i)]
+    if environments and plain and not names:
+        raise ConfigurationError(f"dataset {dataset!r} mixes environments with plain prompts ({plain[0]}), which no environment scores: "
+                                 "name the rewards (e.g. --reward env --reward math_answer: a named reward scores every row, an environment's only its own), or shard them apart")
     episodes = episode_sampler(run, dataset, environments)
     return [load_reward(r) for r in reward_specs(names, environments, dataset, skip=episodes.spec.text if episodes else None)], episodes
 

@@ -168,11 +168,13 @@ def score_samples(records: list[dict[str, Any]], completion_ids: list[list[int]]
 
 def source_means(records: list[dict[str, Any]], group: int, values: list[float], completion_ids: list[list[int]], truncated: list[bool]) -> dict[str, float]:
     """A mixture's metrics per source (the environment each prompt came from): reward, length, truncation."""
-    sources = [r.get("env") for r in records for _ in range(group)]
+    from paths.work.mixture import source_of
+
+    sources = [source_of(r) for r in records for _ in range(group)]
     if len(set(sources)) < 2:
         return {}
     out = {}
-    for source in sorted({s for s in sources if s}):
+    for source in sorted(set(sources)):
         rows = [i for i, s in enumerate(sources) if s == source]
         out[f"source/{source}/reward"] = sum(values[i] for i in rows) / len(rows)
         out[f"source/{source}/length"] = sum(len(completion_ids[i]) for i in rows) / len(rows)

@@ -6,9 +6,10 @@ step draws rows uniformly, so sources come in the ratio of their sizes. `--set
 mixture="reasoning-gym:basic_arithmetic=3,verifiers:calc_tools=1"` sets the ratio whatever the
 sizes: every source of the path's rows gets a weight (0 leaves one out), and
 
-- a local trainer's epoch interleaves the sources by smooth weighted round robin (any window of k
-  prompts within an epoch holds each source's share of k to within one prompt; the order starts
-  afresh each epoch, so a step across an epoch's end may be off by two), each source's rows in a shuffled
+- a local trainer's epoch interleaves the sources by smooth weighted round robin on integer
+  credits (within an epoch, any window of k prompts holds each source's share of k to within one
+  prompt for two sources, to within two for more; the order starts afresh each epoch, so a step
+  across an epoch's end may be off by one more), each source's rows in a shuffled
   cycle of their own (a small source repeats, a large one is sampled), from the seed and epoch
   alone, so a resumed run draws what it would have drawn;
 - a rollout batch's prompts (the seed picks them) are apportioned by largest remainder with a
@@ -76,12 +77,15 @@ class Mixture:
     def order(self, n: int, rng: np.random.Generator) -> np.ndarray:
         """n row indices: sources interleaved by smooth weighted round robin, each source's rows in
         shuffled cycles."""
-        credit = np.zeros(len(self.sources))
+        weights = [max(1, round(float(w) * 1_000_000)) for w in self.shares]  # integers: float credits drift and break ties unevenly
+        total = sum(weights)
+        credit = [0] * len(weights)
         picks = np.empty(n, dtype=np.int64)
         for i in range(n):
-            credit += self.shares
-            s = int(np.argmax(credit))
-            credit[s] -= 1.0
+            for s, w in enumerate(weights):
+                credit[s] += w
+            s = max(range(len(weights)), key=lambda k: credit[k])
+            credit[s] -= total
             picks[i] = s
         out = np.empty(n, dtype=np.int64)
         for s, rows in enumerate(self.members):

@@ -115,9 +115,12 @@ def generate(model: torch.nn.Module, ids_NP: torch.Tensor, mask_NP: torch.Tensor
 
 
 def record_fields(records: list[dict[str, Any]], repeat: int) -> dict[str, list[Any]]:
-    """Every field of the prompt records but the token ids, each repeated for the G completions."""
+    """Every field of the prompt records but the token ids, each repeated for the G completions, and
+    `_group`: which record each row is (a group-level scorer's groups, even when a prompt is drawn twice)."""
     names = sorted({k for r in records for k in r} - {"ids", "prompt"})
-    return {k: [r.get(k) for r in records for _ in range(repeat)] for k in names}
+    out = {k: [r.get(k) for r in records for _ in range(repeat)] for k in names}
+    out["_group"] = [i for i in range(len(records)) for _ in range(repeat)]
+    return out
 
 
 def complete(model: torch.nn.Module, records: list[dict[str, Any]], group: int, tokenizer: Any, *, max_new_tokens: int, temperature: float, top_p: float = 1.0, chunk: int = 64,

@@ -177,7 +177,8 @@ class BatchVerifier:
                  make_model: Callable[[], torch.nn.Module], device: torch.device | str = "cpu", episodes: Any = None,
                  mixture: Any = None):
         self.device = torch.device(device)
-        self.mixture = mixture  # the sources' ratio (mixture.Mixture) the seeds draw prompts in
+        self.mixture = mixture  # this trainer's ratio (mixture.Mixture); a batch's seed draws in its version's (mixture_of)
+        self._mixtures: dict[str, Any] = {}
         self.episodes = episodes  # the dataset's multi-turn environment (an EpisodeSampler), to replay episodes with
         self.run, self.path, self.dataset, self.run_id, self.cfg = run, path, dataset, run_id, cfg
         self.records, self.rewards, self.tokenizer, self.make_model = records, rewards, tokenizer, make_model
@@ -214,6 +215,20 @@ class BatchVerifier:
         except (TypeError, ValueError, IndexError, KeyError) as exc:  # signed fields well typed yet absurd: the signer's doing
             raise Rejected(f"metadata the checks cannot use ({type(exc).__name__}: {str(exc)[:80]})") from None
 
+    def mixture_of(self, version_record: dict[str, Any]) -> Any:
+        """The mixture the trainer published with a policy version (what its workers drew prompts in),
+        so a trainer resumed with another --set mixture still checks older versions' batches rightly."""
+        text = version_record.get("mixture", "")
+        if self.mixture is not None and text == self.mixture.text:
+            return self.mixture
+        if not text:
+            return None
+        if text not in self._mixtures:
+            from paths.work.mixture import Mixture
+
+            self._mixtures[text] = Mixture(self.records, text, f"dataset {self.dataset!r} for path {self.path}")
+        return self._mixtures[text]
+
     def _verify(self, batch: Batch, version_record: dict[str, Any], seen_rows: Callable[[str], bool]) -> Verified:
         cfg, meta, tok = self.cfg, batch.meta, self.tokenizer
         accepted = cfg.rollout_dtypes.split(",")
@@ -226,7 +241,7 @@ class BatchVerifier:
         if n != cfg.batch_size * cfg.group_size:
             raise Rejected(f"{n} completions; batch_size {cfg.batch_size} x group_size {cfg.group_size} should be {cfg.batch_size * cfg.group_size}")
         seed = batch_seed(version_record["nonce"], batch.worker, meta["key"], batch.position)
-        picked = pick_prompts(seed, cfg.batch_size, len(self.records), self.mixture)
+        picked = pick_prompts(seed, cfg.batch_size, len(self.records), self.mixture_of(version_record))
         if meta["prompt_index"] != picked:
             raise Rejected(f"prompts {str(meta['prompt_index'])[:60]} are not the ones its seed draws ({str(picked)[:60]}): chosen prompts")
         records = [self.records[i] for i in picked]

@@ -15,9 +15,13 @@ def none_reward(completion, **kwargs):
     return None
 
 
+def broken_group(completions, **kwargs) -> list[float]:
+    raise RuntimeError("the judge is down")
+
+
 def load_environment(kind: str = "raise") -> vf.Environment:
     if kind == "raise":
         raise RuntimeError("the task server is down\n(retry later)")
     rows = [{"question": f"{i} + 1 = ?", "answer": str(i + 1)} for i in range(8)]
-    fn = {"nan": nan_reward, "none": none_reward}[kind]
+    fn = {"nan": nan_reward, "none": none_reward, "group": broken_group}[kind]
     return vf.SingleTurnEnv(dataset=Dataset.from_list(rows), rubric=vf.Rubric(funcs=[fn], weights=[1.0]))

@@ -226,7 +226,7 @@ def test_a_mixture_scores_each_source_with_its_own_scorer_and_reports_each(run, 
 
 
 def test_a_mixture_ratio_holds_whatever_the_sizes_in_every_window():
-    """3:1 over sources of 10 and 40 rows: every window of 8 prompts holds 6 and 2 (smooth weighted
+    """3:1 over sources of 10 and 20 rows (a third of 20 at weight 0): every window of 8 prompts holds 6 and 2 (smooth weighted
     round robin), the small source cycles through all its rows before repeating one, and a rollout
     batch's seeded pick is apportioned exactly; the same seed draws the same prompts."""
     import random
@@ -267,7 +267,7 @@ def test_a_mixture_that_does_not_fit_the_dataset_is_one_line(text, message):
 def test_a_mixture_sets_each_step_s_share_in_training_and_through_rollout_workers(run, tmp_path):
     """Sources of 24 and 48 prompts trained 3:1 the other way round: each local step's metrics show
     shares 0.75 / 0.25; a worker takes the ratio from the policy version and its batches, drawn
-    in it, pass the trainer's prompt check."""
+    in it, pass the trainer's prompt check, which uses the version's ratio, not its own."""
     from paths.work.rollouts import batch_key, decode, publish, rollout_worker
     from tests.paths.work.conftest import loaded
     from tests.paths.work.rollouts.conftest import SALT, STORE, keyed, rejections, settings
@@ -287,7 +287,9 @@ def test_a_mixture_sets_each_step_s_share_in_training_and_through_rollout_worker
     recs = read_prompts(run, "mix", "p00", "train")
     batch = decode(run.store.read(batch_key(run, "p00", "w", 0)), "k", 1 << 30)
     assert sorted(recs[i]["env"] for i in batch.meta["prompt_index"]) == ["reasoning-gym:basic_arithmetic"] * 3 + ["verifiers:calc_single"]
-    train(run, "p00", "grpo", "mix", load_config(sets=[*FAST_STORE, *STORE, f"mixture={ratio}"], steps=2), None, show_progress=False)
+    # the trainer now runs without the mixture (as if resumed with another): the batches' prompts are
+    # checked against the mixture of the version they were sampled from, so honest ones still pass
+    train(run, "p00", "grpo", "mix", load_config(sets=[*FAST_STORE, *STORE], steps=2), None, show_progress=False)
     assert not rejections(run) and [m["store_batches"] for m in metrics(run, "p00")] == [1, 1]
 
 
@@ -307,7 +309,8 @@ def test_an_environment_that_cannot_load_is_one_line_and_writes_nothing(run, spe
     assert not run.store.exists("data/bad/manifest.json") and not list(run.store.list("data/bad"))
 
 
-@pytest.mark.parametrize("kind, message", [("nan", "reward is nan"), ("none", "rubric function .none_reward. failed on all 8 completions")])
+@pytest.mark.parametrize("kind, message", [("nan", "reward is nan"), ("none", "rubric function .none_reward. failed on all 8 completions"),
+                                           ("group", "rubric function .broken_group. failed on all 8 completions .the judge is down.")])
 def test_a_rubric_returning_nan_or_none_stops_training(run, kind, message):
     spec = f"verifiers:tests.paths.envs.bad_envs:kind={kind}"
     shard(run, ShardOptions(dataset="bad", inputs=[spec], kind="prompts"))
@@ -455,6 +458,13 @@ def test_a_multi_turn_environment_mixes_with_a_single_turn_source_in_the_trainer
     last = metrics(run, path)[-1]
     assert last["source/verifiers:calc_tools/share"] == 0.5 and "source/reasoning-gym:basic_arithmetic/reward" in last
     assert last["episode/turns"] > 1 and "reward/verifiers:calc_tools" in last and "reward/reasoning-gym:basic_arithmetic" in last
+    plain = str(tmp_path / "plain.jsonl")
+    write_jsonl([{"id": f"q{i}", "prompt": f"{i} + 1 = ?", "answer": str(i + 1)} for i in range(16)], plain)
+    shard(run, ShardOptions(dataset="tools-plain", inputs=["verifiers:calc_tools:n=1,eval_n=1", plain], kind="prompts", text_field="prompt", id_field="id", holdout=0))
+    with pytest.raises(ConfigurationError, match="mixes environments with plain prompts .*--reward env --reward math_answer"):
+        dataset_scoring(run, "tools-plain", [])
+    _, sampler = dataset_scoring(run, "tools-plain", ["env", "math_answer"])
+    assert sampler.mine({"env": "verifiers:calc_tools"}) and not sampler.mine({"prompt": "1 + 1 = ?"})  # a plain row is one model turn, not an episode
     model, _ = _final(run, path, tmp_path)
     for folder in ("policy", "rollouts"):
         for o in run.store.list(f"{folder}/{path}"):
