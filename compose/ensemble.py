@@ -152,8 +152,9 @@ def _router_spec(run: Run, router_name: str | None, names: list[str], folder: st
         hidden = json.load(open(os.path.join(folder, "router", "model", "config.json")))["hidden_size"]
         spec["blocks"] = [list(b) for b in split_dims(hidden, plan.levels)]
     else:
-        spec["modules"] = [fill(family.router["memory"], layer).rsplit(".", 1)[0] for layer in range(plan.num_layers)]
-        spec["level_layers"] = [list(span) for span in plan.level_layers]
+        sparse = plan.sparse_layers
+        spec["modules"] = [fill(family.router["memory"], layer).rsplit(".", 1)[0] for layer in sparse]
+        spec["level_layers"] = [[sparse.index(layer) for layer in span if layer in sparse] for span in plan.level_layers]  # positions in modules
     return spec
 
 

@@ -126,12 +126,12 @@ def opt_out(plan: Plan, trained_ids: list[str], excluded: list[str], top_k: int,
     """Which experts to remove so that no excluded path's expert can be selected; an expert an
     included path also trained stays (with only the included paths' deltas)."""
     E = plan.num_experts
-    removed = []
-    for layer in range(plan.num_layers):
+    removed: list[list[int]] = [[] for _ in range(plan.num_layers)]  # per layer (a dense layer has none)
+    for layer in plan.sparse_layers:
         theirs = {plan.experts_per_layer(p)[layer] for p in excluded}
         ours = {plan.experts_per_layer(p)[layer] for p in trained_ids}
-        removed.append(sorted(theirs - ours))
-    counts = {len(r) for r in removed}
+        removed[layer] = sorted(theirs - ours)
+    counts = {len(removed[layer]) for layer in plan.sparse_layers}
     if len(counts) > 1:
         raise ConfigurationError(
             f"excluding {','.join(excluded)} would remove {[len(r) for r in removed]} experts per layer; a checkpoint needs one count "

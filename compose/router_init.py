@@ -38,10 +38,10 @@ def centroid_rows(run: Run, folder: str, family: Family, plan: Plan, dataset: st
     hf_logging.disable_progress_bar()
     manifest = _documents(run, dataset)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    layers = range(plan.num_layers)
-    routers = [model.get_submodule(fill(family.router["memory"], layer).rsplit(".", 1)[0]) for layer in layers]
-    E = routers[0].weight.shape[0]
-    index = [{old: new for new, old in enumerate(k)} for k in keep] if keep else [{e: e for e in range(E)} for _ in layers]
+    layers = plan.sparse_layers
+    routers = {layer: model.get_submodule(fill(family.router["memory"], layer).rsplit(".", 1)[0]) for layer in layers}  # a dense layer has none
+    E = routers[layers[0]].weight.shape[0]
+    index = {layer: {old: new for new, old in enumerate(keep[layer])} if keep else {e: e for e in range(E)} for layer in layers}
     sums = {layer: torch.zeros(E, routers[layer].weight.shape[1], dtype=torch.float64) for layer in layers}
     counts = {layer: torch.zeros(E, dtype=torch.float64) for layer in layers}
     current: dict[str, Any] = {}
@@ -55,7 +55,7 @@ def centroid_rows(run: Run, folder: str, family: Family, plan: Plan, dataset: st
 
         return capture
 
-    handles = [r.register_forward_hook(hook(layer)) for layer, r in zip(layers, routers)]
+    handles = [routers[layer].register_forward_hook(hook(layer)) for layer in layers]
     used = {}
     try:
         for pid in sorted(p for p in manifest["paths"] if paths is None or p in paths):
@@ -71,7 +71,7 @@ def centroid_rows(run: Run, folder: str, family: Family, plan: Plan, dataset: st
             h.remove()
     if not used:
         raise ConfigurationError(f"--router-data {dataset!r} has no documents for the composed paths: shard some first")
-    return {layer: _rows(r.weight.detach(), sums[layer], counts[layer]) for layer, r in zip(layers, routers)}, used
+    return {layer: _rows(routers[layer].weight.detach(), sums[layer], counts[layer]) for layer in layers}, used
 
 
 def _documents(run: Run, dataset: str) -> dict[str, Any]:
@@ -106,10 +106,10 @@ def base_router_rows(run: Run, family: Family, plan: Plan) -> dict[int, torch.Te
     from paths.base import base_tensors
     from paths.models import load_tensor
 
-    names = {fill(family.router[layout], layer): layer for layer in range(plan.num_layers) for layout in ("disk", "memory")}
+    names = {fill(family.router[layout], layer): layer for layer in plan.sparse_layers for layout in ("disk", "memory")}
     out = {names[n]: load_tensor(run, e).float().clone() for n, e in base_tensors(run)[0].items() if n in names}
-    if len(out) != plan.num_layers:
-        raise ConfigurationError(f"the base of {run.url} has routers for {len(out)} of {plan.num_layers} layers: it does not match the {family.name} family")
+    if len(out) != len(plan.sparse_layers):
+        raise ConfigurationError(f"the base of {run.url} has routers for {len(out)} of {len(plan.sparse_layers)} layers: it does not match the {family.name} family")
     return out
 
 
@@ -126,7 +126,7 @@ def domain_embed_rows(run: Run, family: Family, plan: Plan, paths: list[str], da
 
     hf_logging.disable_progress_bar()
     manifest = _documents(run, dataset)
-    E, layers = plan.num_experts, range(plan.num_layers)
+    E, layers = plan.num_experts, plan.sparse_layers
     sums = {layer: torch.zeros(E, base_rows[layer].shape[1], dtype=torch.float64) for layer in layers}
     counts = {layer: torch.zeros(E, dtype=torch.float64) for layer in layers}
     used = {}

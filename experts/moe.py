@@ -76,7 +76,7 @@ def blocks(model: nn.Module, family: Family) -> list[Block]:
     """Every layer's MoE block, located through the family's in-memory tensor names."""
     config = model.config
     out = []
-    for layer in range(config.num_hidden_layers):
+    for layer in family.sparse_layers(config):
         router_name = fill(family.router["memory"], layer)
         module = model.get_submodule(router_name.rsplit(".", 2)[0])
         experts = model.get_submodule(fill(family.experts_memory["gate_up"], layer).rsplit(".", 1)[0])

@@ -15,7 +15,8 @@ def forced_routing(model: torch.nn.Module, family: Family, experts: list[int]) -
     """Inside the block, layer l's router sends every token to expert experts[l] with weight 1 (the
     family's forced weight: routed_scaling_factor for DeepSeek-V3's router): the MoE then computes
     exactly what the path choosing those experts computes."""
-    routers = [model.get_submodule(fill(family.router["memory"], layer).rsplit(".", 1)[0]) for layer in range(len(experts))]
+    routed = [(layer, e) for layer, e in enumerate(experts) if e >= 0]  # -1: a dense layer
+    routers = [model.get_submodule(fill(family.router["memory"], layer).rsplit(".", 1)[0]) for layer, _ in routed]
     saved = [r.forward for r in routers]
     weight = family.forced_weight(model.config)
 
@@ -30,7 +31,7 @@ def forced_routing(model: torch.nn.Module, family: Family, experts: list[int]) -
         return forward
 
     try:
-        for router, expert in zip(routers, experts):
+        for router, (_, expert) in zip(routers, routed):
             router.forward = make(router, expert)
         yield
     finally:

@@ -62,12 +62,12 @@ def load_spec(path: str, source: str) -> ModelSpec:
     if dtype not in DTYPES:
         raise ConfigurationError(f"{path}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     config = {**d["config"], "model_type": family.moe_model_type, "architectures": [family.moe_architecture]}
-    family.check_moe_config(_full_config(config))
+    family.check_moe_config(full_config(config))
     vocab = d.get("tokenizer", {}).get("vocab_size", config["vocab_size"])
     return ModelSpec(family, config, dtype, int(vocab), source)
 
 
-def _full_config(config: dict[str, Any]) -> dict[str, Any]:
+def full_config(config: dict[str, Any]) -> dict[str, Any]:
     """The config with transformers' defaults filled in (what save_pretrained would write)."""
     from transformers import AutoConfig
 

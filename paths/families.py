@@ -86,6 +86,17 @@ class Family:
     path_experts: int = 1  # experts a "moe" path holds: the chosen one first, zeros after it
     path_router: Literal["row", "zeros"] = "row"  # a "moe" path's router: the chosen expert's row of the base's, or zeros
     path_fill: dict[str, list[float]] | None = None  # router extras of a "moe" path, as values
+    dense_layers: dict[str, str] | None = None  # config fields that make layers dense: first_k, only (a list), step
+
+    def sparse_layers(self, config: Any) -> list[int]:
+        """The layers with experts: every one, but those the config makes dense (the class's rules,
+        named in the family's `dense_layers`)."""
+        get = (lambda k: config.get(k)) if isinstance(config, dict) else (lambda k: getattr(config, k, None))
+        spec = self.dense_layers or {}
+        first = int(get(spec["first_k"]) or 0) if "first_k" in spec else 0
+        only = set(get(spec["only"]) or []) if "only" in spec else set()
+        step = int(get(spec["step"]) or 1) if "step" in spec else 1
+        return [l for l in range(int(get("num_hidden_layers"))) if l >= first and l not in only and (l + 1) % step == 0]
 
     def forced_weight(self, config: Any) -> float:
         """The weight a token sent to one expert gets (routed_scaling_factor for DeepSeek-V3's router)."""
@@ -208,6 +219,7 @@ def families() -> dict[str, Family]:
                 path_experts=int(d.get("path", {}).get("experts", 1)),
                 path_router=d.get("path", {}).get("router", "row"),
                 path_fill=d.get("path", {}).get("fill"),
+                dense_layers=d.get("dense_layers"),
                 experts_memory=d["experts"]["memory"],
                 experts_disk=d["experts"]["disk"],
                 experts_dense=d["experts"]["dense"],
@@ -225,6 +237,8 @@ def _check(fam: Family, path: str) -> Family:
     """A family file's values that the code branches on: a typo is one line, not a broken path."""
     if fam.path_form not in ("dense", "moe") or fam.path_router not in ("row", "zeros") or fam.path_experts < 1:
         raise ConfigurationError(f"{path}: path_form must be dense or moe, [path] router row or zeros, [path] experts >= 1")
+    if fam.dense_layers and fam.path_form == "dense":
+        raise ConfigurationError(f"{path}: dense_layers needs path_form = \"moe\" (a dense sibling has one MLP width for every layer)")
     for template, values in (fam.path_fill or {}).items():
         if len(values) != fam.path_experts:
             raise ConfigurationError(f"{path}: [path] fill {template} has {len(values)} values for {fam.path_experts} experts: give one per expert")

@@ -79,13 +79,13 @@ def path_pieces(family: Family, tensors: dict[str, TensorEntry], experts: list[i
         else:
             src = TensorEntry(entry.key, entry.name, entry.dtype, sub_shape, begin, begin + step)
             pieces.append(Piece(family.dense_mlp(layer, "down"), src, f"{entry.name}[{e}]"))
-    missing = [f"layer {layer} {p}" for layer in range(len(experts)) for p in PARTS if not any(x.dense_name == family.dense_mlp(layer, p) for x in pieces)]
+    missing = [f"layer {layer} {p}" for layer in range(len(experts)) for p in PARTS if experts[layer] >= 0 and not any(x.dense_name == family.dense_mlp(layer, p) for x in pieces)]
     if missing:
         raise IntegrityError(f"base/ lacks expert tensors for {', '.join(missing[:3])}: the checkpoint does not match its family")
     return sorted(pieces, key=lambda p: p.dense_name)
 
 
-def path_fills(family: Family, tensors: dict[str, TensorEntry], num_layers: int) -> list[tuple[OutTensor, bytes]]:
+def path_fills(family: Family, tensors: dict[str, TensorEntry], experts: list[int]) -> list[tuple[OutTensor, bytes]]:
     """The tensors a padded "moe" path holds that no base bytes give (families.py `[path]`): the
     experts after the chosen one (zeros, never chosen), a zero router, and the router extras'
     values."""
@@ -97,7 +97,7 @@ def path_fills(family: Family, tensors: dict[str, TensorEntry], num_layers: int)
         data = values.to(DTYPES[dtype]).contiguous().view(torch.uint8).numpy().tobytes()
         out.append((OutTensor(name, dtype, tuple(values.shape), len(data)), data))
 
-    for layer in range(num_layers):
+    for layer in (layer for layer, e in enumerate(experts) if e >= 0):  # a dense layer has no router
         router = tensors[fill(family.router["disk"], layer)]
         if family.path_router == "zeros":
             add(fill(family.router["disk"], layer), router.dtype, torch.zeros(family.path_experts, *router.shape[1:]))
@@ -130,7 +130,7 @@ def materialize(run: Run, path_id: str, out_dir: str) -> dict[str, Any]:
     # memory at a time, and each tensor's sha256 is checked as its bytes pass.
     pieces.sort(key=lambda p: (p.source.key, p.source.begin))
     order = [OutTensor(p.dense_name, p.source.dtype, p.source.shape, p.source.nbytes) for p in pieces]
-    fills = path_fills(family, tensors, len(record["experts"]))
+    fills = path_fills(family, tensors, record["experts"])
     order += [t for t, _ in fills]
     plan = read_plan([p.source for p in pieces])
     checker = _Checker(run, pieces, hashes, plan)

@@ -1,5 +1,9 @@
 """Plans and path ids: layers split into G contiguous levels; a path picks one expert per level.
 
+Where the MoE has dense layers (DeepSeek-V3's first ones, Qwen-MoE's `mlp_only_layers`), the
+levels split the sparse layers evenly and a path's expert list holds -1 for a dense layer: its MLP
+is a shared parameter of every path.
+
 `p03-11` is the path taking expert 3 in every layer of level 0 and expert 11 in level 1. E^G paths
 in all: G=1 gives one path per expert (Branch-Train-MiX / HDEE), G=2 with E=16 gives DiPaCo's 256.
 """
@@ -23,23 +27,30 @@ class Plan:
     num_layers: int
     num_experts: int
     levels: int
+    sparse: tuple[int, ...] | None = None  # the layers with experts (None: every layer)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.levels <= self.num_layers:
-            raise ConfigurationError(
-                f"--levels must be between 1 and the number of layers ({self.num_layers}), got {self.levels}"
-            )
+        if not 1 <= self.levels <= len(self.sparse_layers):
+            which = "layers" if self.sparse is None else "layers with experts"
+            raise ConfigurationError(f"--levels must be between 1 and the number of {which} ({len(self.sparse_layers)}), got {self.levels}")
         if self.num_experts < 1:
             raise ConfigurationError(f"a plan needs at least one expert, got {self.num_experts}")
 
     @property
+    def sparse_layers(self) -> list[int]:
+        """The layers with experts, in order."""
+        return list(range(self.num_layers)) if self.sparse is None else list(self.sparse)
+
+    @property
     def level_layers(self) -> list[range]:
-        """The layers of each level: contiguous, as even as possible, earlier levels larger."""
-        base, extra = divmod(self.num_layers, self.levels)
+        """The layers of each level: contiguous, as even as possible in layers with experts,
+        earlier levels larger (a dense layer inside a level has no expert to choose)."""
+        sparse = self.sparse_layers
+        base, extra = divmod(len(sparse), self.levels)
         out, start = [], 0
         for g in range(self.levels):
             n = base + (1 if g < extra else 0)
-            out.append(range(start, start + n))
+            out.append(range(sparse[start], sparse[start + n - 1] + 1))
             start += n
         return out
 
@@ -74,10 +85,12 @@ class Plan:
     def experts_per_layer(self, path_id: str) -> list[int]:
         """The expert a path uses in each layer."""
         choice = self.parse(path_id)
-        out = [0] * self.num_layers
+        out = [-1] * self.num_layers  # -1: a dense layer
+        sparse = set(self.sparse_layers)
         for g, layers in enumerate(self.level_layers):
             for layer in layers:
-                out[layer] = choice[g]
+                if layer in sparse:
+                    out[layer] = choice[g]
         return out
 
     def all_paths(self) -> list[str]:
@@ -102,9 +115,10 @@ class Plan:
             "num_experts": self.num_experts,
             "levels": self.levels,
             "level_layers": [[r.start, r.stop] for r in self.level_layers],
+            **({"sparse": list(self.sparse)} if self.sparse is not None else {}),
         }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Plan":
         """Inverse of to_json."""
-        return cls(num_layers=d["num_layers"], num_experts=d["num_experts"], levels=d["levels"])
+        return cls(num_layers=d["num_layers"], num_experts=d["num_experts"], levels=d["levels"], sparse=tuple(d["sparse"]) if "sparse" in d else None)

@@ -175,7 +175,7 @@ class MoERouter(_ModelRouter):
 
         model = self.model(run)
         family = get_family(run.read_meta()["base"]["family"])
-        layers = range(self.plan.num_layers)
+        layers = self.plan.sparse_layers
         modules = [model.get_submodule(fill(family.router["memory"], layer).rsplit(".", 1)[0]) for layer in layers]
         captured: dict[int, torch.Tensor] = {}
         hooks = [m.register_forward_hook(_capture(captured, layer)) for layer, m in zip(layers, modules)]
@@ -188,7 +188,7 @@ class MoERouter(_ModelRouter):
                     w_BT1 = (mask / mask.sum(1, keepdim=True)).unsqueeze(-1).float()
                     per_level = []
                     for span in self.plan.level_layers:
-                        probs = [captured[layer].reshape(b, t, -1).float().softmax(-1) for layer in span]
+                        probs = [captured[layer].reshape(b, t, -1).float().softmax(-1) for layer in span if layer in captured]  # dense layers route nothing
                         p_BE = torch.stack([(p_BTE * w_BT1).sum(1) for p_BTE in probs]).mean(0)
                         per_level.append(p_BE)
                     out.append(torch.stack(per_level, dim=1).clamp_min(1e-12).log())  # (B, G, E)

@@ -107,11 +107,13 @@ def describe_config(config_file: str, levels: int = 1, micro_batch: int = 1, seq
     family.check_moe_config(cfg.to_dict())  # with the class's defaults: a field left out may still make dense layers
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(cfg).state_dict().items()}
-    plan = Plan(cfg.num_hidden_layers, family.num_experts(config), levels)
+    sparse = family.sparse_layers(cfg)
+    plan = Plan(cfg.num_hidden_layers, family.num_experts(cfg.to_dict()), levels, None if len(sparse) == cfg.num_hidden_layers else tuple(sparse))
     params = count_parameters(shapes, family, plan.num_experts)
-    gate_up = shapes[fill(family.experts_memory["gate_up"], 0)]
+    first = sparse[0]
+    gate_up = shapes[fill(family.experts_memory["gate_up"], first)]
     width = gate_up[1] * gate_up[2] // (2 * cfg.hidden_size)  # [E, 2I, H] or GPT-OSS's [E, H, 2I]
-    block = fill(family.router["memory"], 0).rsplit(".", 2)[0] + "."
+    block = fill(family.router["memory"], first).rsplit(".", 2)[0] + "."
     width += sum(a * b for name, (a, b, *_) in ((n, (*s, 1)) for n, s in shapes.items()) if name.startswith(block) and family.classify(name).kind == "shared") // (3 * cfg.hidden_size)  # a shared expert
     out = summarize(plan, family.name, params, decomposed=False)
     out.update(config=config_file, path_form=family.path_form,

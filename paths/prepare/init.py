@@ -177,7 +177,7 @@ def check_checkpoint(family: Family, config: dict[str, Any], folder: str) -> Non
     with torch.device("meta"):
         memory = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(cfg).state_dict().items()}
     experts = family.num_experts(config)
-    for layer in range(int(config["num_hidden_layers"])):
+    for layer in family.sparse_layers(cfg):
         want: dict[str, tuple[int, ...]] = {fill(family.router["disk"], layer): memory[fill(family.router["memory"], layer)]}
         want.update({fill(t, layer): memory[fill(t, layer)] for t in family.router_extras})
         gate_up, down = memory[fill(family.experts_memory["gate_up"], layer)], memory[fill(family.experts_memory["down"], layer)]
@@ -275,5 +275,8 @@ def init_plan(preset: str | None = None, config_file: str | None = None) -> dict
         raise ConfigurationError("--dry-run works with --preset or --config: name the model to describe")
     spec = load_spec(preset_path(preset), preset) if preset else load_spec(config_file, config_file)
     cfg = spec.config
-    plan = Plan(cfg["num_hidden_layers"], spec.family.num_experts(cfg), 1)
+    from paths.base import full_config
+
+    sparse = spec.family.sparse_layers(full_config(spec.config))
+    plan = Plan(cfg["num_hidden_layers"], spec.family.num_experts(cfg), 1, None if len(sparse) == cfg["num_hidden_layers"] else tuple(sparse))
     return summarize(plan, spec.family.name, spec_parameters(spec), decomposed=False)

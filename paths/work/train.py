@@ -94,11 +94,11 @@ class LeaseKeeper(Callback):
         return {"lease": f"{self.lease.time_left():.0f}s"}
 
 
-def freeze_shared(model: torch.nn.Module, family: Family, num_layers: int) -> int:
+def freeze_shared(model: torch.nn.Module, family: Family, layers: list[int]) -> int:
     """FlexOlmo's anchoring: only the path's experts (the dense MLP of each layer) keep gradients;
     attention, embeddings, norms and head are frozen, so they stay bitwise the base's. Returns
     the number of trainable parameters."""
-    own = {name for layer in range(num_layers) for name in family.path_expert_parameters(layer)}
+    own = {name for layer in layers for name in family.path_expert_parameters(layer)}
     named = dict(model.named_parameters())
     missing = own - named.keys()
     if missing:
@@ -178,7 +178,8 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
             from paths.base import require_base
             from paths.families import get_family
 
-            freeze_shared(model, get_family(require_base(run)["base"]["family"]), model.config.num_hidden_layers)
+            family = get_family(require_base(run)["base"]["family"])
+            freeze_shared(model, family, family.sparse_layers(model.config))
         extra: list[Callback] = []
         summary_extra: dict[str, Any] = {}
         common = dict(seed=cfg.seed, batch_size=cfg.batch_size, rank=acc.process_index, world_size=acc.num_processes)

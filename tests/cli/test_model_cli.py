@@ -147,8 +147,8 @@ def test_upcycle_cli(tmp_path, tokenizer_dir):
 def test_plan_of_a_published_config_gives_real_sizes_and_the_memory_of_a_path(tmp_path):
     """Qwen3-30B-A3B without weights: 128 paths of 1.755B parameters (48 layers of shared attention,
     embeddings and head, one 2048x768 expert per layer), and each mode's memory; a config of an
-    unsupported family (PhiMoE) is one line naming the supported ones, and DeepSeek-V3 with its dense first
-    layers one naming the field; GPT-OSS-20B counts the 20.9B parameters it is published with."""
+    unsupported family (PhiMoE) is one line naming the supported ones; DeepSeek-V3 (its 3 dense first
+    layers shared) and GPT-OSS-20B count the 671B and 20.9B parameters they are published with."""
     from paths.families import CONFIGS
 
     code, out, err = paths("plan", "--config", os.path.join(CONFIGS, "published", "qwen3-30b-a3b.json"), "--json")
@@ -165,8 +165,8 @@ def test_plan_of_a_published_config_gives_real_sizes_and_the_memory_of_a_path(tm
     one_line_error(code, err, "'phimoe'", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss", "configs/families/<name>.toml")
     code, out, err = paths("plan", "--config", os.path.join(CONFIGS, "published", "gpt-oss-20b.json"), "--json")
     assert code == 0 and json.loads(out)["parameters_total"] == 20_914_757_184, err  # GPT-OSS-20B: 21B as published
-    (tmp_path / "dsv3.json").write_text(json.dumps({"model_type": "deepseek_v3", "num_hidden_layers": 61, "n_routed_experts": 256}))  # the class's 3 dense first layers
-    code, _, err = paths("plan", "--config", str(tmp_path / "dsv3.json"))
-    one_line_error(code, err, "first_k_dense_replace=3", "first_k_dense_replace=0")
+    code, out, err = paths("plan", "--config", os.path.join(CONFIGS, "published", "deepseek-v3.json"), "--json")  # 3 dense first layers, shared
+    s = json.loads(out)
+    assert code == 0 and s["parameters_total"] == 671_026_419_200 and s["paths"] == 256 and s["level_layers"] == [[3, 60]], err
     code, _, err = paths("plan")
     one_line_error(code, err, "a RUN or --config FILE")

@@ -110,7 +110,8 @@ def test_every_stage_runs_on_the_family(tiny_run, family_name, tmp_path):
     base = base_weights(run)
     family = get_family(family_name)
     assert all(torch.equal(v, base[k]) for k, v in anchored.items() if k in base and family.classify(k).kind == "shared")
-    assert not torch.equal(path_expert(family, anchored, 0), expert(family, base, 0, 3))
+    first = family.sparse_layers(json.loads(run.store.read("base/config.json")))[0]  # a dense first layer has no expert
+    assert not torch.equal(path_expert(family, anchored, first), expert(family, base, first, 3))
     compose_moe(run, "moe")
     for router in ("centroid", "domain-embed"):
         record = compose_moe(run, router, router=router, router_data="lm", router_docs=8)
