@@ -102,7 +102,7 @@ def finetune_moe(
         acc = accelerator(cfg.precision, cfg.report_to, cfg.logging_dir)
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        routers = {fill(family.router["memory"], layer) for layer in family.sparse_layers(model.config)}
+        routers = {fill(t, layer) for layer in family.sparse_layers(model.config) for t in (family.router["memory"], *family.router_extras)}  # a router bias trains with its router
         for name, p in model.named_parameters():
             p.requires_grad_(train == "all" or name in routers)
         batches = RoundRobin({p: ShardBatches(PathDataset(run, dataset, p, cfg.seq_len, seed=cfg.seed, batch_size=cfg.batch_size), cfg.batch_size, cfg.seed) for p in shards})
