@@ -297,7 +297,7 @@ def plan_compose(
     ids, excluded = selection(run, plan, paths, include, exclude)
     if not ids:
         raise ConfigurationError(f"no finished path to compose in {run.url}: train some (`paths claim && paths train`) or name them with --paths")
-    dropped = opt_out(plan, ids, excluded, int(base_cfg.get(family.top_k_field, 1)), int(base_cfg.get(family.groups_field or "", 1) or 1))
+    dropped = opt_out(plan, ids, excluded, int(base_cfg.get(family.top_k_field, 1)), family.router_groups(base_cfg))
     if dropped.active and (momentum > 0 or previous):
         raise ConfigurationError("--exclude/--include with --momentum or --previous: an opt-out build is for inference; compose it without momentum")
     if previous and momentum > 0:

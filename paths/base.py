@@ -111,16 +111,25 @@ def count_parameters(shapes: dict[str, tuple[int, ...]], family: Family, num_exp
     return {"total": total, "shared": shared, "router": router, "expert_per_layer_sum": per_layer, "path": path}
 
 
-def spec_parameters(spec: ModelSpec) -> dict[str, int]:
-    """Parameter counts of a spec without allocating it (a meta-device model)."""
+def meta_shapes(model_type: str, config: dict[str, Any], what: str) -> tuple[Any, dict[str, tuple[int, ...]]]:
+    """(transformers config with the class's defaults, every tensor's in-memory shape) of an MoE
+    config, without allocating it (a meta-device model); a one-line error for an invalid config."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = {k: v for k, v in spec.config.items() if k not in ("model_type", "architectures")}
-    cfg = AutoConfig.for_model(spec.family.moe_model_type, **fields)
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "transformers_version", "torch_dtype", "dtype")}
+    try:
+        cfg = AutoConfig.for_model(model_type, **fields)
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(f"{what} is not a valid {model_type} config ({exc})") from None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    return cfg, {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def spec_parameters(spec: ModelSpec) -> dict[str, int]:
+    """Parameter counts of a spec without allocating it (a meta-device model)."""
+    _, shapes = meta_shapes(spec.family.moe_model_type, spec.config, spec.source)
     return count_parameters(shapes, spec.family, spec.family.num_experts(spec.config))
 
 

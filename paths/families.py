@@ -24,6 +24,7 @@ from functools import cache
 from typing import Any, Literal
 
 from paths.errors import ConfigurationError
+from paths.plan import Plan
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -40,6 +41,13 @@ def _regex(template: str) -> re.Pattern[str]:
     out = re.escape(template)
     out = out.replace(re.escape("${layer}"), r"(?P<layer>\d+)").replace(re.escape("${expert}"), r"(?P<expert>\d+)")
     return re.compile(out + "$")
+
+
+def _field(config: Any, name: str | None) -> Any:
+    """A config field from a config.json dict or a transformers config (None: not there, or no name)."""
+    if name is None:
+        return None
+    return config.get(name) if isinstance(config, dict) else getattr(config, name, None)
 
 
 def fill(template: str, layer: int, expert: int | None = None) -> str:
@@ -91,19 +99,24 @@ class Family:
     def sparse_layers(self, config: Any) -> list[int]:
         """The layers with experts: every one, but those the config makes dense (the class's rules,
         named in the family's `dense_layers`)."""
-        get = (lambda k: config.get(k)) if isinstance(config, dict) else (lambda k: getattr(config, k, None))
         spec = self.dense_layers or {}
-        first = int(get(spec["first_k"]) or 0) if "first_k" in spec else 0
-        only = set(get(spec["only"]) or []) if "only" in spec else set()
-        step = int(get(spec["step"]) or 1) if "step" in spec else 1
-        return [l for l in range(int(get("num_hidden_layers"))) if l >= first and l not in only and (l + 1) % step == 0]
+        first = int(_field(config, spec.get("first_k")) or 0)
+        only = set(_field(config, spec.get("only")) or [])
+        step = int(_field(config, spec.get("step")) or 1)
+        return [l for l in range(int(_field(config, "num_hidden_layers"))) if l >= first and l not in only and (l + 1) % step == 0]
+
+    def plan(self, config: dict[str, Any], levels: int) -> Plan:
+        """The plan of an MoE of this family with `levels` levels over its layers with experts."""
+        return Plan(int(config["num_hidden_layers"]), self.num_experts(config), levels, tuple(self.sparse_layers(config)))
 
     def forced_weight(self, config: Any) -> float:
         """The weight a token sent to one expert gets (routed_scaling_factor for DeepSeek-V3's router)."""
-        if self.forced_weight_field is None:
-            return 1.0
-        value = config.get(self.forced_weight_field) if isinstance(config, dict) else getattr(config, self.forced_weight_field, None)
+        value = _field(config, self.forced_weight_field)
         return 1.0 if value is None else float(value)
+
+    def router_groups(self, config: Any) -> int:
+        """Groups of group-limited routing (DeepSeek-V3's n_group; 1 where routing is not grouped)."""
+        return int(_field(config, self.groups_field) or 1)
 
     @property
     def has_dense_sibling(self) -> bool:

@@ -30,6 +30,8 @@ class Plan:
     sparse: tuple[int, ...] | None = None  # the layers with experts (None: every layer)
 
     def __post_init__(self) -> None:
+        if self.sparse is not None and tuple(self.sparse) == tuple(range(self.num_layers)):
+            object.__setattr__(self, "sparse", None)  # every layer has experts: the plain form (and its JSON) as before
         if not 1 <= self.levels <= len(self.sparse_layers):
             which = "layers" if self.sparse is None else "layers with experts"
             raise ConfigurationError(f"--levels must be between 1 and the number of {which} ({len(self.sparse_layers)}), got {self.levels}")

@@ -30,8 +30,7 @@ def run_plan(run: Run, levels: int | None = None) -> tuple[Plan, Family, dict[st
         if "plan" not in meta:
             raise ConfigurationError(f"{run.url} is not decomposed yet: run `paths decompose {run.url} --levels G`")
         levels = meta["plan"]["levels"]
-    sparse = family.sparse_layers(config)
-    return Plan(config["num_hidden_layers"], family.num_experts(config), levels, None if len(sparse) == config["num_hidden_layers"] else tuple(sparse)), family, config
+    return family.plan(config, levels), family, config
 
 
 def read_path(run: Run, path_id: str) -> dict[str, Any]:

@@ -90,10 +90,9 @@ def describe_config(config_file: str, levels: int = 1, micro_batch: int = 1, seq
     """`paths plan --config`: the plan of a published MoE config (a Hugging Face config.json, no
     weights), with parameters per path and the memory to train one path in each mode."""
     import json
+    import math
 
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    from paths.base import meta_shapes
     from paths.families import family_of_config, fill
 
     try:
@@ -102,19 +101,17 @@ def describe_config(config_file: str, levels: int = 1, micro_batch: int = 1, seq
     except (OSError, ValueError) as exc:
         raise ConfigurationError(f"--config {config_file}: not a readable config.json ({exc})") from None
     family = family_of_config(config, f"--config {config_file}")
-    fields = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "transformers_version", "torch_dtype", "dtype")}
-    cfg = AutoConfig.for_model(family.moe_model_type, **fields)
-    family.check_moe_config(cfg.to_dict())  # with the class's defaults: a field left out may still make dense layers
-    with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(cfg).state_dict().items()}
-    sparse = family.sparse_layers(cfg)
-    plan = Plan(cfg.num_hidden_layers, family.num_experts(cfg.to_dict()), levels, None if len(sparse) == cfg.num_hidden_layers else tuple(sparse))
+    cfg, shapes = meta_shapes(family.moe_model_type, config, f"--config {config_file}")
+    full = cfg.to_dict()  # with the class's defaults: a field left out may still make dense layers
+    family.check_moe_config(full)
+    plan = family.plan(full, levels)
     params = count_parameters(shapes, family, plan.num_experts)
-    first = sparse[0]
+    first = plan.sparse_layers[0]
     gate_up = shapes[fill(family.experts_memory["gate_up"], first)]
     width = gate_up[1] * gate_up[2] // (2 * cfg.hidden_size)  # [E, 2I, H] or GPT-OSS's [E, H, 2I]
     block = fill(family.router["memory"], first).rsplit(".", 2)[0] + "."
-    width += sum(a * b for name, (a, b, *_) in ((n, (*s, 1)) for n, s in shapes.items()) if name.startswith(block) and family.classify(name).kind == "shared") // (3 * cfg.hidden_size)  # a shared expert
+    shared_mlp = sum(math.prod(s) for n, s in shapes.items() if n.startswith(block) and family.classify(n).kind == "shared")  # a shared expert (and its gate)
+    width += shared_mlp // (3 * cfg.hidden_size)
     out = summarize(plan, family.name, params, decomposed=False)
     out.update(config=config_file, path_form=family.path_form,
                memory=memory_plan(params["path"], cfg, width, micro_batch, seq_len), micro_batch=micro_batch, seq_len=seq_len)

@@ -159,9 +159,7 @@ def _init_from_dir(url: str, from_dir: str, tokenizer_dir: str | None, storage_o
 def check_checkpoint(family: Family, config: dict[str, Any], folder: str) -> None:
     """Every router and expert tensor the family's templates name for this config is in the
     folder's safetensors files, in the shape the config gives (one-line errors otherwise)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    from paths.base import meta_shapes
     from storage.url import open_store
 
     store = open_store(folder)
@@ -169,13 +167,7 @@ def check_checkpoint(family: Family, config: dict[str, Any], folder: str) -> Non
     for fname in sorted(os.listdir(folder)):
         if fname.endswith(".safetensors"):
             tensors.update(read_header(store, fname)[0])
-    fields = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "transformers_version")}
-    try:
-        cfg = AutoConfig.for_model(family.moe_model_type, **fields)
-    except (TypeError, ValueError) as exc:
-        raise ConfigurationError(f"--from {folder}: config.json is not a valid {family.moe_model_type} config ({exc})") from None
-    with torch.device("meta"):
-        memory = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(cfg).state_dict().items()}
+    cfg, memory = meta_shapes(family.moe_model_type, config, f"--from {folder}: config.json")
     experts = family.num_experts(config)
     for layer in family.sparse_layers(cfg):
         want: dict[str, tuple[int, ...]] = {fill(family.router["disk"], layer): memory[fill(family.router["memory"], layer)]}
@@ -268,15 +260,12 @@ def init_plan(preset: str | None = None, config_file: str | None = None) -> dict
     """What `paths init --dry-run` prints: the model a preset or config would build, as a one-level
     plan's table (family, layers, experts, parameters per path and in all); writes nothing."""
     from paths.base import spec_parameters
-    from paths.plan import Plan
     from paths.prepare.decompose import summarize
 
     if not (preset or config_file):
         raise ConfigurationError("--dry-run works with --preset or --config: name the model to describe")
     spec = load_spec(preset_path(preset), preset) if preset else load_spec(config_file, config_file)
-    cfg = spec.config
     from paths.base import full_config
 
-    sparse = spec.family.sparse_layers(full_config(spec.config))
-    plan = Plan(cfg["num_hidden_layers"], spec.family.num_experts(cfg), 1, None if len(sparse) == cfg["num_hidden_layers"] else tuple(sparse))
+    plan = spec.family.plan(full_config(spec.config), 1)
     return summarize(plan, spec.family.name, spec_parameters(spec), decomposed=False)

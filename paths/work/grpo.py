@@ -28,6 +28,7 @@ import torch
 
 from paths.errors import ConfigurationError, DataError
 from paths.trainer import Callback, ranks_agree
+from paths.work.mixture import source_of
 from paths.work.rewards import Reward, score
 from paths.work.sampling import complete, device_of, evaluate, forward_arguments, left_pad, record_fields
 
@@ -168,8 +169,6 @@ def score_samples(records: list[dict[str, Any]], completion_ids: list[list[int]]
 
 def source_means(records: list[dict[str, Any]], group: int, values: list[float], completion_ids: list[list[int]], truncated: list[bool]) -> dict[str, float]:
     """A mixture's metrics per source (the environment each prompt came from): reward, length, truncation."""
-    from paths.work.mixture import source_of
-
     sources = [source_of(r) for r in records for _ in range(group)]
     if len(set(sources)) < 2:
         return {}
