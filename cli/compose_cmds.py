@@ -128,20 +128,21 @@ def next_round(run: str, source: str) -> None:
 @click.option("--steps", type=int, help="Optimizer steps (default: the config's).")
 @click.option("--aux-loss", default=0.01, show_default=True, help="Weight of the Switch load-balancing loss.")
 @click.option("--moe-backend", type=click.Choice(["auto", "reference", "megablocks"]), default="auto", show_default=True, help="auto: megablocks on CUDA when installed, else the pure-torch reference.")
+@click.option("--lora", "lora_rank", type=int, metavar="RANK", help="Train a LoRA adapter of this rank (beside the attention; --set lora_targets=...) and the routers in full; the result is merged.")
 @click.option("--checkpoint-every", type=int, help="Steps between checkpoints (work/moe-OUT/).")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="A TOML like configs/train/default.toml.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override one training setting (repeatable).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing composed/OUT/.")
 @click.option("--no-progress", is_flag=True)
 @report_options
-def finetune_moe(run: str, source: str, dataset: str, out: str | None, what: str, steps: int | None, aux_loss: float, moe_backend: str, checkpoint_every: int | None, config_file: str | None, sets: tuple[str, ...], overwrite: bool, no_progress: bool, report_to: str | None, logging_dir: str | None) -> None:
+def finetune_moe(run: str, source: str, dataset: str, out: str | None, what: str, steps: int | None, aux_loss: float, moe_backend: str, lora_rank: int | None, checkpoint_every: int | None, config_file: str | None, sets: tuple[str, ...], overwrite: bool, no_progress: bool, report_to: str | None, logging_dir: str | None) -> None:
     """Fine-tune a composed MoE's routing (Branch-Train-MiX) on data mixed from every path."""
     from compose.finetune import finetune_moe as do
     from paths.train_config import load_config
     from storage.layout import open_run
 
     name = _composed_name(source, "--model")
-    cfg = load_config(config_file, sets, steps=steps, checkpoint_every=checkpoint_every, report_to=report_to, logging_dir=logging_dir)
+    cfg = load_config(config_file, sets, steps=steps, checkpoint_every=checkpoint_every, report_to=report_to, logging_dir=logging_dir, lora_rank=lora_rank)
     summary = do(open_run(run), name, dataset, out or f"{name}-ft", cfg, train=what, aux_loss=aux_loss, backend=moe_backend, overwrite=overwrite, show_progress=not no_progress)
     click.echo(f"fine-tuned {summary['train']} of composed/{name} for {summary['steps']} steps ({summary['tokens']:,} tokens, {summary['backend']}); "
                f"final loss {summary['final_loss']:.4f} -> {run}/composed/{summary['name']}")

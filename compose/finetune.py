@@ -11,6 +11,7 @@ after another in turn (`RoundRobin`), so every step sees the paths' data mixed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -19,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from paths.adapters import attach, merged_state, spec_of, target_modules
+from paths.checkpoint import check_resumable
 from paths.errors import ConfigurationError
 from paths.steps import LMStep, RoundRobin, ShardBatches, micro_loss
 from paths.tracking import accelerator
@@ -99,6 +102,11 @@ def finetune_moe(
             raise ConfigurationError(f"dataset {dataset!r} has no shard with more than {cfg.seq_len} training tokens")
         chosen = resolve_backend(backend)
 
+        lora = spec_of(cfg)
+        if lora is not None and (train == "all" or lora.base != "fp32"):
+            raise ConfigurationError("finetune-moe --lora trains an adapter (fp32 base) and the routers in full: drop --train all and --quantize-base, or drop --lora")
+        if lora is not None and not lora.targets:
+            lora = dataclasses.replace(lora, targets=("attention",))
         acc = accelerator(cfg.precision, cfg.report_to, cfg.logging_dir)
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -106,8 +114,13 @@ def finetune_moe(
         for name, p in model.named_parameters():
             p.requires_grad_(train == "all" or name in routers)
         batches = RoundRobin({p: ShardBatches(PathDataset(run, dataset, p, cfg.seq_len, seed=cfg.seed, batch_size=cfg.batch_size), cfg.batch_size, cfg.seed) for p in shards})
-        job = {"mode": "finetune-moe", "dataset": dataset, "source": source, "train": train}
+        job = {"mode": "finetune-moe", "dataset": dataset, "source": source, "train": train, "lora": lora.to_json() if lora else None}
+        check_resumable(run, f"moe-{out}", job)
         with patched(model, family, chosen) as found:
+            if lora:  # the adapter beside the targets (attention by default: the experts are fused tensors), the routers in full beside it
+                model = attach(model, lora, target_modules(model, lora, [], False, f"composed:{source}"))
+                for name, p in model.named_parameters():
+                    p.requires_grad_(p.requires_grad or name.removeprefix("base_model.model.") in routers)
             trainer = Trainer(
                 run, f"moe-{out}", job, cfg, model, MoEStep(cfg, found, aux_loss), batches, acc,
                 callbacks=[Signals()], desc="finetune-moe", show_progress=show_progress, resume_hint="run the same `paths finetune-moe` command again",
@@ -116,11 +129,17 @@ def finetune_moe(
         summary = {
             "name": out, "into": "moe", "finetuned_from": source, "dataset": dataset, "train": train, "aux_loss": aux_loss, "backend": chosen,
             "steps": result.step, "resumed_from": result.resumed_from, "tokens": result.tokens, "final_loss": result.loss, "shards": shards, "config": cfg.to_json(), "at": time.time(),
+            **({"lora": lora.to_json()} if lora else {}),
         }
 
         def commit(fence: Callable[[], None]) -> None:
             staged = os.path.join(scratch, "out")
-            trainer.unwrapped.save_pretrained(staged)
+            if lora is not None:  # the adapter merged into the weights: stock transformers loads the result
+                merged = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+                merged.load_state_dict(merged_state(trainer.unwrapped, lora))
+                merged.save_pretrained(staged)
+            else:
+                trainer.unwrapped.save_pretrained(staged)
             AutoTokenizer.from_pretrained(folder).save_pretrained(staged)
             fence()
             install(run.store, staged, prefix, overwrite, {"compose.json": summary}, kind="composed", into="moe", name=out, finetuned_from=source)

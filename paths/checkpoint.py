@@ -1,6 +1,6 @@
 """Checkpoints of a path being trained: `work/<path>/ckpt-<step>/`.
 
-    model.safetensors       the dense path's weights
+    model.safetensors       the dense path's weights (a LoRA unit: its adapter only; the base is base/'s)
     optimizer.safetensors   AdamW moments and step counts, keyed "<param index>.<name>"
     state.json              step, tokens, loss, scheduler, data position, RNG, config, lease
     manifest.json           sha256 of the three files above
@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from paths.errors import IntegrityError, NotFound, StorageError
+from paths.errors import ConfigurationError, IntegrityError, NotFound, StorageError
 from storage.layout import COMMITTED, Run
 from storage.manifest import ArtifactWriter, read_manifest, read_verified
 
@@ -60,7 +60,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Te
     optimizer.load_state_dict({"state": state, "param_groups": rest["param_groups"]})
 
 
-def save(run: Run, path_id: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], fence: Callable[[], None],
+def save(run: Run, path_id: str, step: int, weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, state: dict[str, Any], fence: Callable[[], None],
          files: dict[str, bytes] | None = None) -> dict[str, Any]:
     """Write a checkpoint (and `files`, e.g. the metrics so far, as part of it); `fence()` (a lease
     renewal) runs just before COMMITTED and raises LeaseLost when another worker holds the path,
@@ -70,7 +70,7 @@ def save(run: Run, path_id: str, step: int, model: torch.nn.Module, optimizer: t
     t0 = time.perf_counter()
     prefix = run.checkpoint(path_id, step)
     writer = ArtifactWriter(run.store, prefix)
-    writer.write("model.safetensors", st_save(_unshared(model.state_dict())))
+    writer.write("model.safetensors", st_save(_unshared(weights)))
     tensors, rest = optimizer_tensors(optimizer)
     writer.write("optimizer.safetensors", st_save(tensors))
     writer.write_json("state.json", {**state, "optimizer": rest})
@@ -103,6 +103,26 @@ def load_latest(run: Run, path_id: str, job: dict[str, Any] | None = None) -> tu
             continue
         return step, model, opt, state
     return None
+
+
+def check_resumable(run: Run, path_id: str, job: dict[str, Any], strict: tuple[str, ...] = ("lora",)) -> None:
+    """One line when the newest committed checkpoint of this stage (same mode and dataset) was
+    trained with other `strict` settings (an adapter's rank or targets, or none): resuming it would
+    start over silently."""
+    for step, committed in reversed(run.checkpoints(path_id)):
+        if not committed:
+            continue
+        try:
+            state = json.loads(read_verified(run.store, run.checkpoint(path_id, step), "state.json"))
+        except (IntegrityError, NotFound, StorageError, ValueError):
+            continue
+        if any(state.get(k) != job.get(k) for k in job if k not in strict):
+            continue  # another stage's checkpoint
+        for key in strict:
+            if state.get(key) != job.get(key):
+                raise ConfigurationError(f"checkpoint {step} of {path_id} was trained with {key} = {json.dumps(state.get(key))}, this run asks for {json.dumps(job.get(key))}: "
+                                         "resume with the settings it was trained with (--lora RANK, --set lora_targets=...)")
+        return
 
 
 def read_file(run: Run, path_id: str, step: int, name: str) -> bytes | None:

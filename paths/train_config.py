@@ -43,6 +43,12 @@ class TrainConfig:
     num_workers: int = 0
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     freeze: Literal["none", "shared"] = "none"
+    # adapters (paths/adapters.py): lora_rank 0 trains every parameter
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_dropout: float = 0.0
+    lora_targets: str = ""
+    quantize_base: Literal["fp32", "int8", "nf4"] = "fp32"
     # --mode grpo
     group_size: int = 8
     max_new_tokens: int = 32
@@ -137,6 +143,14 @@ class TrainConfig:
             raise ConfigurationError(f"max_rejections must be >= 1, got {self.max_rejections}")
         if self.rollouts == "store" and (self.dynamic_sampling or self.iterations > 1):
             raise ConfigurationError("--rollouts store takes each batch as the workers sampled it: turn dynamic_sampling off and keep iterations = 1")
+        if self.lora_rank < 0 or self.lora_alpha < 0:
+            raise ConfigurationError(f"lora_rank and lora_alpha must be >= 0 (rank 0: no adapter; alpha 0: twice the rank), got {self.lora_rank} and {self.lora_alpha}")
+        if self.lora_rank:
+            from paths.adapters import spec_of
+
+            spec_of(self)  # its own checks: dropout, base
+        elif self.quantize_base != "fp32":
+            raise ConfigurationError(f"--quantize-base {self.quantize_base} freezes the base under an adapter: add --lora RANK (e.g. --lora 16)")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ConfigurationError(f"precision must be auto, fp32 or bf16, got {self.precision!r}")
 

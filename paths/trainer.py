@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable, Protocol, TypeVar
 import torch
 
 from paths import checkpoint
+from paths.adapters import adapter_state, is_adapted, load_adapter_state
 from paths.errors import LeaseLost, PathsError
 from paths.train_config import TrainConfig
 from storage.layout import Run
@@ -303,7 +304,10 @@ class Trainer:
         if resumed is None:
             return 0
         start, model_sd, opt_sd, state = resumed
-        self.model.load_state_dict(model_sd)
+        if is_adapted(self.model):
+            load_adapter_state(self.model, model_sd, f"checkpoint {start} of {self.unit}")
+        else:
+            self.model.load_state_dict(model_sd)
         checkpoint.load_optimizer(self.optimizer, opt_sd, state["optimizer"])
         data = state["data"]
         self.batches.load_state_dict(data[self.acc.process_index] if isinstance(data, list) else data)
@@ -337,7 +341,9 @@ class Trainer:
         self.acc.wait_for_everyone()
         if not self.main:
             return
-        checkpoint.save(self.run, self.unit, self.step, self.acc.unwrap_model(self.model), self.optimizer, state, self.fence, files={"metrics.jsonl": self._metrics_bytes()})
+        model = self.acc.unwrap_model(self.model)
+        weights = adapter_state(model) if is_adapted(model) else model.state_dict()  # a LoRA unit's base is re-read on resume
+        checkpoint.save(self.run, self.unit, self.step, weights, self.optimizer, state, self.fence, files={"metrics.jsonl": self._metrics_bytes()})
         self.write_metrics()
         checkpoint.prune(self.run, self.unit, self.cfg.keep_checkpoints)
         for cb in self.callbacks:

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from paths.adapters import LoraSpec, adapter_state, attach, load_nf4, merge, spec_of, target_modules
+from paths.checkpoint import check_resumable
 from paths.errors import ConfigurationError, LeaseLost
 from paths.models import fetch_final, materialize, materialize_expert
 from paths.steps import LMStep, ShardBatches
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from paths.families import Family
 
 Mode = Literal["lm", "sft", "grpo"]
+ADAPTER_FILE = "adapter.safetensors"  # final/ of a LoRA unit: its adapter, beside the merged weights
 
 
 class LeaseKeeper(Callback):
@@ -172,16 +175,25 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
             (materialize_expert if is_expert(run, path_id) else materialize)(run, path_id, start_dir)
             previous_stage = None
         torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32)
+        lora = spec_of(cfg)
+        job = {"mode": mode, "dataset": dataset, "freeze": cfg.freeze, "lora": lora.to_json() if lora else None}
+        check_resumable(run, path_id, job)
+        model = load_nf4(start_dir, acc.device) if lora and lora.base == "nf4" else AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(start_dir)
-        if cfg.freeze == "shared":
+        if cfg.freeze == "shared" or lora:
             from paths.base import require_base
             from paths.families import get_family
 
             family = get_family(require_base(run)["base"]["family"])
-            freeze_shared(model, family, family.sparse_layers(model.config))
+            layers = family.sparse_layers(model.config)
+            if lora:  # only the adapter trains; under --freeze shared it sits beside the experts alone
+                own = [name for layer in layers for name in family.path_expert_parameters(layer)]
+                model = attach(model, lora, target_modules(model, lora, own, cfg.freeze == "shared", f"path {path_id}"))
+                summary_lora = {"trainable": sum(p.numel() for p in model.parameters() if p.requires_grad), "base": lora.base}
+            else:
+                freeze_shared(model, family, layers)
         extra: list[Callback] = []
-        summary_extra: dict[str, Any] = {}
+        summary_extra: dict[str, Any] = {"lora": {**lora.to_json(), **summary_lora}} if lora else {}
         common = dict(seed=cfg.seed, batch_size=cfg.batch_size, rank=acc.process_index, world_size=acc.num_processes)
         batches: Any = None
         if mode == "lm":
@@ -223,7 +235,7 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
         callbacks: list[Callback] = [LeaseKeeper(lease, heartbeat)] if lease is not None and acc.is_main_process else []
         callbacks += extra
         trainer = Trainer(
-            run, path_id, {"mode": mode, "dataset": dataset, "freeze": cfg.freeze}, cfg, model, step,
+            run, path_id, job, cfg, model, step,
             batches or ShardBatches(data, cfg.batch_size, cfg.seed, cfg.num_workers), acc,
             callbacks=[*callbacks, Signals()], show_progress=show_progress, resume_hint="`paths claim && paths train` (the path was handed back)",
         )
@@ -234,7 +246,7 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
         summary["anchored"] = cfg.freeze == "shared" and (previous_stage is None or bool(previous_stage.get("anchored")))
         if previous_stage is not None:
             summary["previous_stage"] = previous_stage
-        final = trainer.finish(lambda fence: _write_final(run, path_id, trainer.unwrapped, tokenizer, local, cfg, mode, dataset, manifest, summary, fence))
+        final = trainer.finish(lambda fence: _write_final(run, path_id, trainer.unwrapped, tokenizer, local, cfg, mode, dataset, manifest, summary, fence, lora))
         if final is not None:
             summary["final"] = final
         return summary
@@ -242,9 +254,20 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
         shutil.rmtree(local, ignore_errors=True)
 
 
-def _write_final(run: Run, path_id: str, model: torch.nn.Module, tokenizer: Any, local: str, cfg: TrainConfig, mode: str, dataset: str, manifest: dict[str, Any], summary: dict[str, Any], fence: Callable[[], None]) -> str:
-    """work/<path>/final/: the trained dense path (HF format) and its provenance, manifest last."""
+def _write_final(run: Run, path_id: str, model: torch.nn.Module, tokenizer: Any, local: str, cfg: TrainConfig, mode: str, dataset: str, manifest: dict[str, Any], summary: dict[str, Any],
+                 fence: Callable[[], None], lora: LoraSpec | None = None) -> str:
+    """work/<path>/final/: the trained dense path (HF format; a LoRA unit's adapter merged into the
+    fp32 weights it started from, and the adapter beside them) and its provenance, manifest last."""
     out = os.path.join(local, "final")
+    if lora is not None:
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM
+
+        adapter = {k: v.float().contiguous() for k, v in adapter_state(model).items()}
+        model = AutoModelForCausalLM.from_pretrained(os.path.join(local, "init"), dtype=torch.float32)
+        model.load_state_dict(merge(model.state_dict(), adapter, lora.scale))
+        os.makedirs(out, exist_ok=True)
+        save_file(adapter, os.path.join(out, ADAPTER_FILE))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     for identity in ("path.json", "expert.json"):  # what the unit is: a path of the plan, or a domain expert

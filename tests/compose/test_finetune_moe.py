@@ -158,3 +158,31 @@ def test_finetune_bad_input(composed):
     if not torch.cuda.is_available():
         result = CliRunner().invoke(main, ["finetune-moe", composed.url, "--model", "composed:btx", "--dataset", "mix", "--out", "y", "--moe-backend", "megablocks"])
         assert result.exit_code == 1 and "needs CUDA and the megablocks package" in result.output
+
+
+def test_lora_finetune_trains_attention_adapters_and_routers_resumes_exactly_and_merges(composed, monkeypatch):
+    from paths import checkpoint
+
+    cfg = load_config(sets=[*FT, "lora_rank=4", "lr=5e-3"], steps=6, checkpoint_every=3)
+    summary = finetune_moe(composed, "btx", "mix", "lora-straight", cfg, backend="reference", show_progress=False)
+    assert summary["lora"]["targets"] == ["attention"]
+    real = checkpoint.prune
+
+    def crash(*a, **k):
+        real(*a, **k)
+        raise KeyboardInterrupt("killed after a checkpoint")
+
+    monkeypatch.setattr(checkpoint, "prune", crash)
+    with pytest.raises(KeyboardInterrupt):
+        finetune_moe(composed, "btx", "mix", "lora-resumed", cfg, backend="reference", show_progress=False)
+    monkeypatch.setattr(checkpoint, "prune", real)
+    assert finetune_moe(composed, "btx", "mix", "lora-resumed", cfg, backend="reference", show_progress=False)["resumed_from"] == 3
+    old = load_file(composed.store.path("composed/btx/model.safetensors"))
+    a = load_file(composed.store.path("composed/lora-straight/model.safetensors"))
+    b = load_file(composed.store.path("composed/lora-resumed/model.safetensors"))
+    assert a.keys() == old.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    changed = {k for k in old if not torch.equal(old[k], a[k])}
+    assert any("self_attn" in k for k in changed) and any(k.endswith("gate.weight") for k in changed)
+    assert all("self_attn" in k or k.endswith("gate.weight") for k in changed), sorted(changed)[:4]
+    with pytest.raises(ConfigurationError, match="finetune-moe --lora trains an adapter"):
+        finetune_moe(composed, "btx", "mix", "lora-all", cfg, train="all", backend="reference", show_progress=False)
