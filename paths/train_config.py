@@ -82,6 +82,7 @@ class TrainConfig:
     rollout_reads: int = 0
     rollout_dtypes: str = "fp32,bf16"
     max_rejections: int = 3
+    policy_snapshot_every: int = 16
     external: int = 0
     # experiment tracking (paths/tracking.py): a copy of the metrics for TensorBoard, W&B or MLflow
     report_to: str = "none"
@@ -139,6 +140,8 @@ class TrainConfig:
             raise ConfigurationError("--external J takes other paths' rollout batches from the run: use it with --rollouts store")
         if not self.rollout_dtypes or any(d not in ("fp32", "bf16", "int8") for d in self.rollout_dtypes.split(",")):
             raise ConfigurationError(f"rollout_dtypes must be a comma-separated choice of fp32, bf16, int8, got {self.rollout_dtypes!r}")
+        if self.policy_snapshot_every < 0:
+            raise ConfigurationError(f"policy_snapshot_every must be >= 0 (0: every policy version is full), got {self.policy_snapshot_every}")
         if self.max_rejections < 1:
             raise ConfigurationError(f"max_rejections must be >= 1, got {self.max_rejections}")
         if self.rollouts == "store" and (self.dynamic_sampling or self.iterations > 1):

@@ -182,7 +182,7 @@ def _finished_async(run: Run, older_than_s: float, now: float) -> list[GcItem]:
             elif area == "rollouts" and len(parts) >= 4 and parts[2] == "batches":
                 groups.setdefault("/".join(parts[:3]), []).append(obj)
     out = []
-    latest: dict[str, str] = {}
+    latest: dict[str, set[str]] = {}
     for folder, objs in sorted(groups.items()):
         area, pid = folder.split("/")[:2]
         if not run.store.exists(f"work/{pid}/final/{MANIFEST}"):
@@ -190,11 +190,12 @@ def _finished_async(run: Run, older_than_s: float, now: float) -> list[GcItem]:
         size, n = sum(o.size for o in objs), len(objs)
         if area == "policy":
             if pid not in latest:
-                try:
-                    latest[pid] = "v%08d" % int(json.loads(run.store.read(f"policy/{pid}/latest.json"))["version"])
+                try:  # the latest version, and the chain it is rebuilt from when it is a delta
+                    head = json.loads(run.store.read(f"policy/{pid}/latest.json"))
+                    latest[pid] = {"v%08d" % v for v in range(int(head.get("snapshot", head["version"])), int(head["version"]) + 1)}
                 except Exception:
-                    latest[pid] = ""
-            if folder.split("/")[2] != latest[pid]:
+                    latest[pid] = set()
+            if folder.split("/")[2] not in latest[pid]:
                 out.append(GcItem(folder, "policy version of a finished path (not the latest)", n, size))
         elif now - max((o.mtime or now) for o in objs) >= older_than_s:
             out.append(GcItem(folder, f"rollout batches of a finished path, idle {_age(now - max((o.mtime or now) for o in objs))}", n, size))

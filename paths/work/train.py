@@ -222,7 +222,8 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
                                       device=acc.device, episodes=episodes)
                 summary_extra["rollouts"] = source.describe()
                 step, batches = AsyncGRPOStep(cfg, source, ref, dataset), source
-                extra.append(PolicyPublisher(run, path_id, cfg.max_async, source, cfg.grad_accum))
+                extra.append(PolicyPublisher(run, path_id, cfg.max_async, source, cfg.grad_accum, cfg.policy_snapshot_every, lora,
+                                             lambda: AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32)))
             else:
                 step = GRPOStep(cfg, data.records, reward_fns, tokenizer, ref, dataset, sampler=episodes)
             if cfg.eval_every:

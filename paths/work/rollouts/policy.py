@@ -1,49 +1,105 @@
 """Policy versions: what the asynchronous trainer publishes after each step, and workers sample from.
 
-    policy/<path>/v<N>/model.safetensors   the weights (fp32)
-    policy/<path>/v<N>/policy.json         their sha256 and the version's nonce; written last, so a
+    policy/<path>/v<N>/model.safetensors   a full version: every tensor, fp32
+    policy/<path>/v<N>/delta.safetensors.zst   a delta against v<N-1> (a full fine-tune; versions.py)
+    policy/<path>/v<N>/adapter.safetensors  a LoRA unit's adapter, over its base:
+    policy/<path>/base-<sha>/model.safetensors   the frozen base of an adapter unit, written once
+    policy/<path>/v<N>/policy.json         its kind, file checksum, the sha256 of the weights it
+                                           stands for and the version's nonce; written last, so a
                                            version exists once its policy.json does
     policy/<path>/latest.json              the newest version's record (+ how many batches wait)
 
 The nonce is the trainer's: HMAC of its secret salt over the path, version and weights' sha256
-(seeds.nonce). Every sample of the version is drawn with numbers derived from it.
+(seeds.nonce). Every sample of the version is drawn with numbers derived from it. A delta's chain
+starts at a full version (`snapshot`) at most `policy_snapshot_every` versions back, so a worker
+that lacks the version before a delta rebuilds it from there, never from the start.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import time
 from typing import Any, Callable
 
 import torch
 
+from paths.adapters import LoraSpec, adapter_state, merge
 from paths.errors import ConfigurationError, DataError, NotFound
 from paths.trainer import Callback
 from paths.work.quantize import int8_copy
-from paths.work.rollouts.batch import DTYPES, FORMAT, sha256
+from paths.work.rollouts.batch import DTYPES, FORMAT
 from paths.work.rollouts.seeds import nonce
+from paths.work.rollouts.versions import apply_delta, assign, encode_delta, read_tensors, state_digest, weights, write_tensors
 from storage.layout import Run
+
+FILES = {"full": "model.safetensors", "delta": "delta.safetensors.zst", "adapter": "adapter.safetensors"}
 
 
 def version_key(run: Run, path: str, version: int) -> str:
     return f"{run.policy(path)}/v{version:08d}"
 
 
-def publish(run: Run, path: str, version: int, model: torch.nn.Module, salt: str, **meta: Any) -> dict[str, Any]:
-    """Write policy version `version` (weights, then policy.json with their sha256 and the nonce),
-    then point latest.json at it."""
-    from safetensors.torch import save
-
-    prefix = version_key(run, path, version)
-    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()}
-    data = save(state)
-    digest = sha256(data)
-    run.store.write(f"{prefix}/model.safetensors", data)
-    record = {"format": FORMAT, "path": path, "version": version, "sha256": digest, "nonce": nonce(salt, path, version, digest), "bytes": len(data), "at": time.time(), **meta}
-    run.store.write(f"{prefix}/policy.json", json.dumps(record, sort_keys=True).encode())
-    run.store.write(f"{run.policy(path)}/latest.json", json.dumps(record, sort_keys=True).encode())
+def _record(run: Run, path: str, version: int, salt: str, kind: str, digest: str, file: dict[str, Any], **meta: Any) -> dict[str, Any]:
+    """Write policy.json (the version exists from now on) and point latest.json at it."""
+    record = {"format": FORMAT, "path": path, "version": version, "kind": kind, "sha256": digest, "file_sha256": file["sha256"], "bytes": file["bytes"],
+              "nonce": nonce(salt, path, version, digest), "at": time.time(), **meta}
+    data = json.dumps(record, sort_keys=True).encode()
+    run.store.write(f"{version_key(run, path, version)}/policy.json", data)
+    run.store.write(f"{run.policy(path)}/latest.json", data)
     return record
+
+
+def publish(run: Run, path: str, version: int, model: torch.nn.Module, salt: str, **meta: Any) -> dict[str, Any]:
+    """Write a full policy version `version` (fp32 weights, then policy.json), then point latest.json at it."""
+    state = weights(model)
+    file = write_tensors(run.store, f"{version_key(run, path, version)}/{FILES['full']}", state, compress=False)
+    return _record(run, path, version, salt, "full", state_digest(state), file, snapshot=version, **meta)
+
+
+class VersionWriter:
+    """The trainer's side: each version a full snapshot, a delta against the last one (a full
+    fine-tune, `snapshot_every` > 0), or the adapter (a LoRA unit)."""
+
+    def __init__(self, run: Run, path: str, salt: str, snapshot_every: int, lora: LoraSpec | None = None, make_base: Callable[[], torch.nn.Module] | None = None):
+        self.run, self.path, self.salt, self.snapshot_every, self.lora, self.make_base = run, path, salt, snapshot_every, lora, make_base
+        self.published: dict[str, torch.Tensor] | None = None  # what workers rebuild from the last version this writer published
+        self.last: dict[str, Any] | None = None
+        self.base: dict[str, Any] | None = None
+
+    def publish(self, version: int, model: torch.nn.Module, **meta: Any) -> dict[str, Any]:
+        if self.lora is not None:
+            return self._adapter(version, model, **meta)
+        last = self.last
+        if self.snapshot_every == 0 or last is None or self.published is None or version != last["version"] + 1 or version - last["snapshot"] >= self.snapshot_every:
+            record = publish(self.run, self.path, version, model, self.salt, **meta)
+            self.published = {k: v.clone() for k, v in weights(model).items()} if self.snapshot_every else None
+        else:
+            delta = encode_delta(weights(model), self.published)
+            file = write_tensors(self.run.store, f"{version_key(self.run, self.path, version)}/{FILES['delta']}", delta, compress=True)
+            record = _record(self.run, self.path, version, self.salt, "delta", state_digest(self.published), file, parent=last["version"], parent_sha256=last["sha256"],
+                             snapshot=last["snapshot"], **meta)
+        self.last = record
+        return record
+
+    def _adapter(self, version: int, model: torch.nn.Module, **meta: Any) -> dict[str, Any]:
+        assert self.lora is not None and self.make_base is not None
+        if self.base is None:  # the frozen base, once (content-addressed: a restarted trainer finds it)
+            state = weights(self.make_base())
+            digest = state_digest(state)
+            key = f"{self.run.policy(self.path)}/base-{digest[:16]}"
+            if not self.run.store.exists(f"{key}/base.json"):
+                file = write_tensors(self.run.store, f"{key}/model.safetensors", state, compress=False)
+                self.run.store.write(f"{key}/base.json", json.dumps({"sha256": digest, "file_sha256": file["sha256"], "bytes": file["bytes"]}, sort_keys=True).encode())
+            self.base = {"key": key, **json.loads(self.run.store.read(f"{key}/base.json"))}
+            del state
+        adapter = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in adapter_state(model).items()}
+        file = write_tensors(self.run.store, f"{version_key(self.run, self.path, version)}/{FILES['adapter']}", adapter, compress=False)
+        digest = hashlib.sha256(f"{self.base['sha256']}:{file['sha256']}:{self.lora.scale!r}".encode()).hexdigest()
+        self.last = _record(self.run, self.path, version, self.salt, "adapter", digest, file, base=self.base["key"], base_sha256=self.base["sha256"],
+                            base_file_sha256=self.base["file_sha256"], scale=self.lora.scale, snapshot=version, **meta)
+        return self.last
 
 
 def latest(run: Run, path: str) -> dict[str, Any] | None:
@@ -62,18 +118,67 @@ def version_record(run: Run, path: str, version: int) -> dict[str, Any] | None:
         return None
 
 
-def load_version(run: Run, path: str, version: int, model: torch.nn.Module) -> dict[str, Any]:
-    """Load version `version` into `model`, its bytes checked against policy.json."""
-    from safetensors.torch import load
+class PolicyReader:
+    """A worker's (or the verifier's) side: loads versions into one model, applying a delta to the
+    version before it when that is what the model holds, else rebuilding from the chain's
+    snapshot; every result checked against the version's sha256."""
 
-    record = version_record(run, path, version)
-    if record is None:
-        raise NotFound(f"policy version {version} of {path} is not in {run.url} (pruned, or never published): read latest.json again")
-    data = run.store.read(f"{version_key(run, path, version)}/model.safetensors")
-    if sha256(data) != record["sha256"]:
-        raise DataError(f"{run.store.url_of(version_key(run, path, version))}/model.safetensors does not match its policy.json checksum: the trainer publishes it again next step")
-    model.load_state_dict(load(data), strict=True)
-    return record
+    def __init__(self, run: Run, path: str, model: torch.nn.Module):
+        self.run, self.path, self.model = run, path, model
+        self.held: dict[str, Any] | None = None  # the record of what the model holds
+        self._base: tuple[str, dict[str, torch.Tensor]] | None = None
+
+    def load(self, version: int) -> dict[str, Any]:
+        record = self._record(version)
+        kind = record.get("kind", "full")
+        if kind == "adapter":
+            self._load_adapter(record)
+        elif kind == "delta":
+            if self.held is None or self.held.get("sha256") != record["parent_sha256"] or self.held["version"] != record["parent"]:
+                self.load(int(record["parent"])) if int(record["parent"]) > int(record["snapshot"]) else self._load_full(self._record(int(record["snapshot"])))
+            self.held = None  # half-applied until checked
+            apply_delta(self.model.state_dict(), self._file(record))
+            self._check(record)
+        else:
+            self._load_full(record)
+        self.held = record
+        return record
+
+    def _record(self, version: int) -> dict[str, Any]:
+        record = version_record(self.run, self.path, version)
+        if record is None:
+            raise NotFound(f"policy version {version} of {self.path} is not in {self.run.url} (pruned, or never published): read latest.json again")
+        return record
+
+    def _file(self, record: dict[str, Any]) -> dict[str, torch.Tensor]:
+        kind = record.get("kind", "full")
+        key = f"{version_key(self.run, self.path, int(record['version']))}/{FILES[kind]}"
+        return read_tensors(self.run.store, key, record.get("file_sha256", record["sha256"]), compress=kind == "delta")
+
+    def _load_full(self, record: dict[str, Any]) -> None:
+        self.held = None
+        assign(self.model, self._file(record))
+        if "kind" in record:  # versions before deltas named their file's sha256 only (checked on read)
+            self._check(record)
+        self.held = record
+
+    def _load_adapter(self, record: dict[str, Any]) -> None:
+        if self._base is None or self._base[0] != record["base_sha256"]:
+            base = read_tensors(self.run.store, f"{record['base']}/model.safetensors", record["base_file_sha256"], compress=False)
+            if state_digest(base) != record["base_sha256"]:
+                raise DataError(f"{self.run.store.url_of(record['base'])} does not hold the base its policy versions name: the trainer writes it again when it restarts")
+            self._base = (record["base_sha256"], base)
+        self.held = None
+        assign(self.model, merge(self._base[1], self._file(record), float(record["scale"])))
+
+    def _check(self, record: dict[str, Any]) -> None:
+        if state_digest(weights(self.model)) != record["sha256"]:
+            raise DataError(f"policy version {record['version']} of {self.path} rebuilt to other weights than its policy.json names: read latest.json again")
+
+
+def load_version(run: Run, path: str, version: int, model: torch.nn.Module) -> dict[str, Any]:
+    """Load version `version` into `model` (from its snapshot, for a delta), checked against policy.json."""
+    return PolicyReader(run, path, model).load(version)
 
 
 def published_versions(run: Run, path: str) -> list[int]:
@@ -81,12 +186,20 @@ def published_versions(run: Run, path: str) -> list[int]:
 
 
 def prune(run: Run, path: str, keep: Callable[[int], bool]) -> int:
-    """Delete the versions `keep` says nobody may use any more; how many."""
+    """Delete the versions `keep` says nobody may use any more, but never a version a kept delta is
+    rebuilt from (its chain back to its snapshot); how many."""
+    versions = published_versions(run, path)
+    needed = {v for v in versions if keep(v)}
+    for v in sorted(needed):
+        record = version_record(run, path, v) or {}
+        if record.get("kind") == "delta":
+            needed.update(range(int(record["snapshot"]), v))
     gone = 0
-    for v in published_versions(run, path):
-        if not keep(v):
+    for v in versions:
+        if v not in needed:
             run.store.delete(f"{version_key(run, path, v)}/policy.json")  # the marker first: a half-deleted version does not exist
-            run.store.delete(f"{version_key(run, path, v)}/model.safetensors")
+            for name in FILES.values():
+                run.store.delete(f"{version_key(run, path, v)}/{name}")
             gone += 1
     return gone
 
@@ -120,8 +233,10 @@ class PolicyPublisher(Callback):
     resumed from the last checkpoint may need (its step minus max_async, up to it). `source` (the
     trainer's StoreRollouts) holds the salt and learns of every record published."""
 
-    def __init__(self, run: Run, path: str, max_async: int, source: Any, needs: int = 1):
+    def __init__(self, run: Run, path: str, max_async: int, source: Any, needs: int = 1, snapshot_every: int = 0, lora: LoraSpec | None = None,
+                 make_base: Callable[[], torch.nn.Module] | None = None):
         self.run, self.path, self.max_async, self.source, self.needs = run, path, max_async, source, needs
+        self.writer = VersionWriter(run, path, source.salt, snapshot_every, lora, make_base)
         self.checkpointed = 0
         source.on_starving = self.starving
 
@@ -132,8 +247,9 @@ class PolicyPublisher(Callback):
             self.run.store.write(f"{self.run.policy(self.path)}/latest.json", json.dumps({**head, "pending": 0, "at": time.time()}, sort_keys=True).encode())
 
     def _publish(self, trainer: Any) -> None:
-        record = publish(self.run, self.path, trainer.step, trainer.unwrapped, self.source.salt, max_async=self.max_async, step=trainer.step, pending=self.source.pending, needs=self.needs,
-                         mixture=self.source.cfg.mixture)
+        self.writer.salt = self.source.salt  # a resumed trainer's (restored with its state)
+        record = self.writer.publish(trainer.step, trainer.unwrapped, max_async=self.max_async, step=trainer.step, pending=self.source.pending, needs=self.needs,
+                                     mixture=self.source.cfg.mixture)
         self.source.published(record)
 
     def started(self, trainer: Any) -> None:

@@ -38,7 +38,7 @@ import torch
 from paths.errors import DataError
 from paths.work.grpo import Samples, completion_logits, pack, score_samples
 from paths.work.rollouts.batch import DTYPES, Batch, Rejected, prompt_sha
-from paths.work.rollouts.policy import copy_as, load_version
+from paths.work.rollouts.policy import PolicyReader, copy_as
 from paths.work.rollouts.seeds import batch_seed, pick_prompts, row_hash, row_uniforms
 from paths.work.sampling import device_of, sampling_cdf
 from storage.layout import Run
@@ -186,6 +186,7 @@ class BatchVerifier:
         self.detect = detection_probability(cfg.batch_size * cfg.group_size, self.rows, cfg.verify_forged_share)
         self.secret = random.SystemRandom()  # which rows are checked: nothing in the bucket predicts it
         self._weights: torch.nn.Module | None = None
+        self._reader: PolicyReader | None = None
         self._model: tuple[int, str, torch.nn.Module] | None = None
         self.vocab = 0
 
@@ -201,8 +202,9 @@ class BatchVerifier:
                 with torch.random.fork_rng(devices=[]):  # checking a batch never moves the trainer's random state
                     self._weights = self.make_model().eval().to(self.device)
                 self.vocab = int(self._weights.config.vocab_size)
+                self._reader = PolicyReader(self.run, self.path, self._weights)
             try:
-                load_version(self.run, self.path, version, self._weights)
+                self._reader.load(version)
             except Exception:
                 raise Rejected(f"policy version {version} cannot be loaded (pruned meanwhile): it cannot be checked", attributable=False) from None
             self._model = (version, dtype, copy_as(self._weights, dtype))

@@ -23,7 +23,7 @@ from paths.work.grpo import logprobs_in_chunks, pack, pad_rows, score_samples
 from paths.work.rewards import Reward
 from paths.work.rollouts.batch import DTYPES, Rejected, batch_key, decode, digest_of, encode, parse_key, prompt_sha
 from paths.work.rollouts.keys import public_hex, read_allowlist
-from paths.work.rollouts.policy import latest, load_version, sampler
+from paths.work.rollouts.policy import PolicyReader, copy_as, latest
 from paths.work.rollouts.seeds import batch_seed, pick_prompts, row_uniforms, run_id
 from paths.work.mixture import Mixture
 from paths.work.sampling import complete
@@ -141,6 +141,7 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
         check_prompts(records, rewards, dataset, policy.config.max_position_embeddings, cfg.max_new_tokens)
         rid = run_id(run)
         loaded, model, mixture = None, None, None
+        reader = PolicyReader(run, path, policy)  # policy stays fp32: deltas apply to exactly what the trainer published
         position, previous = chain_head(run, path, name, public)
         index = next_index(run, path, name)
         written, dropped, reloads, tokens, seconds = 0, 0, 0, 0, 0.0
@@ -157,13 +158,13 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
                 continue
             if loaded is None or head["version"] != loaded["version"]:
                 try:
-                    loaded = load_version(run, path, int(head["version"]), policy)
+                    loaded = reader.load(int(head["version"]))
                 except (NotFound, DataError):
                     time.sleep(POLL)  # pruned or being replaced meanwhile: read latest again
                     continue
                 if public:
                     identity(run, key, name)  # revoked meanwhile: stop
-                model, reloads = sampler(policy, dtype), reloads + 1
+                model, reloads = copy_as(policy, dtype), reloads + 1
                 if loaded.get("mixture", "") != (mixture.text if mixture else ""):  # the trainer's ratio: its seeds draw the prompts in it
                     mixture = Mixture(records, loaded["mixture"], f"dataset {dataset!r} for path {path}") if loaded.get("mixture") else None
             said = (head["version"], head.get("at"))

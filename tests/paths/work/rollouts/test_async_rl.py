@@ -22,8 +22,8 @@ from tests.paths.work.rollouts.conftest import REWARD, SALT, STORE, final, keyed
 from tests.paths.work.test_train import cli
 
 
-@pytest.mark.parametrize("backend", ["local", "s3"])
-def test_a_rollout_worker_feeds_a_trainer_in_another_process(backend, tmp_path, tokenizer_dir, request):
+@pytest.mark.parametrize("backend, lora", [("local", []), ("s3", []), ("local", ["--lora", "4"]), ("s3", ["--lora", "4"])], ids=["local-delta", "s3-delta", "local-adapter", "s3-adapter"])
+def test_a_rollout_worker_feeds_a_trainer_in_another_process(backend, lora, tmp_path, tokenizer_dir, request):
     env = {}
     if backend == "s3":
         from tests.sharding.conftest import make_run
@@ -48,7 +48,7 @@ def test_a_rollout_worker_feeds_a_trainer_in_another_process(backend, tmp_path, 
     assert code == 0 and cli("keys", "admit", url, "--name", "w1", "--key", public, home=str(tmp_path / "w"), env=env)[0] == 0
     home = str(tmp_path / "trainer")
     assert cli("claim", url, "--path", "p00", "--ttl", "60", home=home, env=env)[0] == 0
-    trainer = cli("train", url, "--mode", "grpo", "--dataset", "rl", "--rollouts", "store", "--max-async", "2", "--steps", "4", *sets, "--set", "rollout_wait=120",
+    trainer = cli("train", url, "--mode", "grpo", "--dataset", "rl", "--rollouts", "store", "--max-async", "2", "--steps", "4", *sets, *lora, "--set", "rollout_wait=120",
                   "--no-progress", home=home, wait=False, env=env)
     code, out, err = cli("rollout", url, "--path", "p00", "--dataset", "rl", "--key", key_file, "--batches", "100", *sets, "--no-progress", home=str(tmp_path / "w"), env=env)
     assert code == 0, err
@@ -66,7 +66,9 @@ def test_a_rollout_worker_feeds_a_trainer_in_another_process(backend, tmp_path, 
     assert [m["store_batches"] for m in steps] == [1, 1, 1, 1] and all(m["own_batches"] == 0 for m in steps)  # every step from the worker
     assert all(0 <= m["policy_lag"] <= 2 for m in steps) and all("mismatch_masked" in m for m in steps)
     assert not run.store.list("rollouts/p00/rejected")
-    assert json.loads(run.store.read("policy/p00/latest.json"))["version"] == 4  # published after each step
+    head = json.loads(run.store.read("policy/p00/latest.json"))
+    assert head["version"] == 4  # published after each step
+    assert head["kind"] == ("adapter" if lora else "delta") and head["snapshot"] == (4 if lora else 0)  # what changed, workers rebuilding the rest
 
 
 def test_exact_resume_over_a_fixed_set_of_batches(tmp_path, tokenizer_dir, killed_after_first_checkpoint):
@@ -116,7 +118,7 @@ def test_sapo_mixes_other_paths_experience_rescored(tmp_path, tokenizer_dir):
     lie = decode(run.store.read(key), key, 1 << 30)
     run.store.write(key, encode(lie.completion_ids, lie.behaviour_logp_NC, {**lie.meta, "rewards": [5.0] * len(lie.completion_ids)}, other))  # what they state is never used
     worker(run, 3, keyed(run, tmp_path, "own"))
-    cfg = load_config(sets=[*FAST, *STORE, "external=2"], steps=3)
+    cfg = load_config(sets=[*FAST, *STORE, "external=2", "policy_snapshot_every=0"], steps=3)  # every version full: gc keeps the latest alone
     train(run, "p00", "grpo", "rl", cfg, None, show_progress=False, rewards=[REWARD])
     steps = metrics(run, "p00")
     assert [m["external_groups"] for m in steps] == [2, 2, 0]  # p01's batch holds 4 prompt groups, each taken once
@@ -143,7 +145,7 @@ def test_no_litter_after_a_kill_a_resume_and_gc(tmp_path, tokenizer_dir, killed_
     start(run, tmp_path)
     worker(run, 6, keyed(run, tmp_path, "w1"))
     lease = claim(run, ["p00"], ttl=30, worker="t")
-    cfg = load_config(sets=[*FAST, *STORE, "checkpoint_every=2", "max_async=1", "keep_checkpoints=1"], steps=6)
+    cfg = load_config(sets=[*FAST, *STORE, "checkpoint_every=2", "max_async=1", "keep_checkpoints=1", "policy_snapshot_every=0"], steps=6)  # full versions: gc keeps the last alone
     with killed_after_first_checkpoint():
         train(run, "p00", "grpo", "rl", cfg, lease, show_progress=False, rewards=[REWARD])
     os.makedirs(run.store.path("work/p00/ckpt-9"))  # a folder a crash emptied
