@@ -124,7 +124,9 @@ def render_plan(s: dict[str, Any]) -> str:
 def _render_memory(s: dict[str, Any]) -> str:
     rows = [(mode, f"{m['weights']:.1f}", f"{m['gradients']:.1f}", f"{m['optimizer']:.1f}", f"{m['activations']:.1f}", f"{m['total']:.1f}") for mode, m in s["memory"].items()]
     return (f"\npath form: {s['path_form']}\nmemory to train one path, GiB (micro-batch {s['micro_batch']} x {s['seq_len']} tokens; activations estimated, no recomputation):\n"
-            + table(("mode", "weights", "gradients", "AdamW", "activations", "total"), rows))
+            + table(("mode", "weights", "gradients", "AdamW", "activations", "total"), rows)
+            + ("" if "device_memory" not in s else f"\nwith {s['device_memory']:g} GiB: " + (f"{s['fits']} fits (the first, from a full fine-tune down)" if s["fits"] else
+                                                   "no mode fits: a smaller --micro-batch or --seq-len, a lower --lora-rank, or a plan with more levels (smaller paths)")))
 
 
 def render_dataset(manifest: dict[str, Any], json_out: bool = False) -> str:

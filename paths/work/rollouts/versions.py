@@ -5,7 +5,7 @@ whole blob in memory):
 - `full`: every tensor in fp32 (the first version a trainer publishes, and every
   `policy_snapshot_every`-th after it);
 - `delta`: against the version before it, for a full fine-tune. A matrix ships its change as int8
-  with one fp32 scale per row, a vector its new values, an unchanged tensor nothing; the file is
+  with one bf16 scale per row, a vector its new values, an unchanged tensor nothing; the file is
   zstd-compressed. The trainer keeps the weights the workers rebuild (`published`) and encodes
   each change against them, so rounding never accumulates: what it leaves out of one version it
   ships in the next;
@@ -71,7 +71,7 @@ def state_digest(tensors: dict[str, torch.Tensor]) -> str:
 
 # -- delta encoding -------------------------------------------------------------------------------
 def encode_delta(new: dict[str, torch.Tensor], published: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The change from `published` to `new` (int8 rows + fp32 scales for matrices, exact vectors,
+    """The change from `published` to `new` (int8 rows + bf16 scales for matrices, exact vectors,
     nothing for unchanged tensors); `published` is moved to what a worker rebuilds from it."""
     out = {}
     for name, w in new.items():
@@ -83,8 +83,8 @@ def encode_delta(new: dict[str, torch.Tensor], published: dict[str, torch.Tensor
             published[name] = w.clone()
             continue
         d_OX = (w - old).reshape(w.shape[0], -1)
-        s_O = d_OX.abs().amax(dim=1) / 127
-        q_OX = torch.round(d_OX / s_O.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).clamp(-127, 127).to(torch.int8)
+        s_O = (d_OX.abs().amax(dim=1) / 127).to(torch.bfloat16)  # the scale as shipped (bf16): q is rounded against it, what it misses ships next time
+        q_OX = torch.round(d_OX / s_O.float().clamp_min(torch.finfo(torch.float32).tiny)[:, None]).clamp(-127, 127).to(torch.int8)
         out[f"{name}.q"], out[f"{name}.s"] = q_OX, s_O
         _add_rows(old, q_OX, s_O)
     return out
@@ -104,7 +104,7 @@ def apply_delta(state: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) 
 
 def _add_rows(w: torch.Tensor, q_OX: torch.Tensor, s_O: torch.Tensor) -> None:
     """w += q s, row by row: the one arithmetic trainer and workers both run."""
-    w.view(w.shape[0], -1).add_(q_OX.to(w.device).float() * s_O.to(w.device)[:, None])
+    w.view(w.shape[0], -1).add_(q_OX.to(w.device).float() * s_O.to(w.device).float()[:, None])
 
 
 # -- files ----------------------------------------------------------------------------------------
