@@ -52,10 +52,11 @@ def upcycle(run: str, from_dir: str, experts: int, top_k: int, noise: float, see
 @click.option("--micro-batch", default=1, show_default=True, help="--config: sequences per micro-batch, for the activation estimate.")
 @click.option("--seq-len", default=2048, show_default=True, help="--config: tokens per sequence, for the activation estimate.")
 @click.option("--lora-rank", default=16, show_default=True, help="--config: the adapter rank of the LoRA rows.")
-@click.option("--device-memory", type=float, metavar="GIB", help="--config: name the first mode, from a full fine-tune down, that fits this much device memory.")
+@click.option("--devices", default=8, show_default=True, help="--config: the devices of the FSDP row (its memory is one device's).")
+@click.option("--device-memory", type=float, metavar="GIB", help="--config: name the first mode, from a full fine-tune down, that fits this much memory on one device.")
 @click.option("--json", "as_json_", is_flag=True)
 @click.pass_context
-def plan(ctx: click.Context, run: str | None, levels: int | None, config_file: str | None, micro_batch: int, seq_len: int, lora_rank: int, device_memory: float | None, as_json_: bool) -> None:
+def plan(ctx: click.Context, run: str | None, levels: int | None, config_file: str | None, micro_batch: int, seq_len: int, lora_rank: int, devices: int, device_memory: float | None, as_json_: bool) -> None:
     """Levels, layers per level, number of paths and parameters per path (of a run, or of a config)."""
     from paths.errors import ConfigurationError
     from paths.prepare.decompose import describe, describe_config
@@ -65,7 +66,7 @@ def plan(ctx: click.Context, run: str | None, levels: int | None, config_file: s
         run = None  # PATHS_RUN exported for the other commands: --config says which model
     if (run is None) == (config_file is None):
         raise ConfigurationError("paths plan takes a RUN or --config FILE (a config.json), one of them")
-    summary = describe_config(config_file, levels or 1, micro_batch, seq_len, lora_rank, device_memory) if config_file else describe(open_run(run), levels)
+    summary = describe_config(config_file, levels or 1, micro_batch, seq_len, lora_rank, device_memory, devices) if config_file else describe(open_run(run), levels)
     click.echo(as_json(summary) if as_json_ else render_plan(summary))
 
 

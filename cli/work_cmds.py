@@ -59,6 +59,7 @@ def claim(run: str, path_id: str | None, ttl: float, worker: str | None) -> None
 @click.option("--freeze", type=click.Choice(["none", "shared"]), help="shared: train only the path's experts; attention, embeddings, norms, head stay the base's (FlexOlmo).")
 @click.option("--lora", "lora_rank", type=int, metavar="RANK", help="Train a LoRA adapter of this rank instead of every parameter (alpha, dropout, targets: --set lora_alpha=... lora_dropout=... lora_targets=attention,experts).")
 @click.option("--quantize-base", type=click.Choice(["fp32", "int8", "nf4"]), help="With --lora: hold the frozen base in int8 (any device) or 4-bit NF4 (bitsandbytes, CUDA).")
+@click.option("--fsdp/--no-fsdp", default=None, help="lm / sft over several processes: shard the path's parameters, gradients and AdamW moments across them (FSDP2).")
 @click.option("--reward", "rewards", multiple=True, metavar="SPEC[=W]", help="grpo: math_answer, format, length_penalty, module:function, reasoning-gym:TASK, verifiers:MODULE or env, optional weight; repeatable (default: the dataset's environments, else math_answer).")
 @click.option("--group-size", type=int, help="grpo: completions per prompt (>= 2).")
 @click.option("--max-new-tokens", type=int, help="grpo: completion length limit.")

@@ -102,6 +102,8 @@ def finetune_moe(
             raise ConfigurationError(f"dataset {dataset!r} has no shard with more than {cfg.seq_len} training tokens")
         chosen = resolve_backend(backend)
 
+        if cfg.fsdp:
+            raise ConfigurationError("finetune-moe runs the composed MoE whole on each process: drop --fsdp (fsdp = true)")
         lora = spec_of(cfg)
         if lora is not None and (train == "all" or lora.base != "fp32"):
             raise ConfigurationError("finetune-moe --lora trains an adapter (fp32 base) and the routers in full: drop --train all and --quantize-base, or drop --lora")

@@ -119,6 +119,10 @@ def attach(model: nn.Module, spec: LoraSpec, modules: list[str]) -> nn.Module:
         wrapped = peft.get_peft_model(model, config)
     if spec.base == "int8":
         quantize_int8(wrapped)
+        with torch.no_grad():  # the rest in memory of its own: a weights file mapped by the loader is let go
+            for t in [*wrapped.parameters(), *wrapped.buffers()]:
+                if t.dtype.is_floating_point:
+                    t.data = t.data.clone()
     return wrapped
 
 
@@ -162,7 +166,7 @@ def merge(base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], scale
     out = dict(base)
     for key, value in adapter.items():
         if ".lora_" not in key:
-            out[key] = value
+            out[key] = value.to(base[key].dtype)
         elif key.endswith(".lora_A.weight"):
             module = key.removesuffix(".lora_A.weight")
             a_RI, b_OR, w_OI = value, adapter[f"{module}.lora_B.weight"], base[f"{module}.weight"]

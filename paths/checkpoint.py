@@ -36,9 +36,8 @@ def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(tensors, JSON-able rest) of an optimizer's state dict."""
-    sd = optimizer.state_dict()
+def optimizer_tensors(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, JSON-able rest) of an optimizer's (index-keyed) state dict."""
     tensors, scalars = {}, {}
     for index, state in sd["state"].items():
         for name, value in state.items():
@@ -50,6 +49,11 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], rest: dict[str, Any]) -> None:
+    optimizer.load_state_dict(optimizer_state(tensors, rest))
+
+
+def optimizer_state(tensors: dict[str, torch.Tensor], rest: dict[str, Any]) -> dict[str, Any]:
+    """The index-keyed optimizer state dict `optimizer_tensors` split."""
     state: dict[int, dict[str, Any]] = {}
     for key, value in tensors.items():
         index, name = key.split(".", 1)
@@ -57,10 +61,10 @@ def load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Te
     for key, value in rest["scalars"].items():
         index, name = key.split(".", 1)
         state.setdefault(int(index), {})[name] = value
-    optimizer.load_state_dict({"state": state, "param_groups": rest["param_groups"]})
+    return {"state": state, "param_groups": rest["param_groups"]}
 
 
-def save(run: Run, path_id: str, step: int, weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, state: dict[str, Any], fence: Callable[[], None],
+def save(run: Run, path_id: str, step: int, weights: dict[str, torch.Tensor], optimizer: dict[str, Any], state: dict[str, Any], fence: Callable[[], None],
          files: dict[str, bytes] | None = None) -> dict[str, Any]:
     """Write a checkpoint (and `files`, e.g. the metrics so far, as part of it); `fence()` (a lease
     renewal) runs just before COMMITTED and raises LeaseLost when another worker holds the path,
@@ -71,7 +75,7 @@ def save(run: Run, path_id: str, step: int, weights: dict[str, torch.Tensor], op
     prefix = run.checkpoint(path_id, step)
     writer = ArtifactWriter(run.store, prefix)
     writer.write("model.safetensors", st_save(_unshared(weights)))
-    tensors, rest = optimizer_tensors(optimizer)
+    tensors, rest = optimizer_tensors(optimizer)  # its index-keyed state dict
     writer.write("optimizer.safetensors", st_save(tensors))
     writer.write_json("state.json", {**state, "optimizer": rest})
     for name, data in (files or {}).items():

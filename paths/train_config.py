@@ -49,6 +49,7 @@ class TrainConfig:
     lora_dropout: float = 0.0
     lora_targets: str = ""
     quantize_base: Literal["fp32", "int8", "nf4"] = "fp32"
+    fsdp: bool = False  # shard the path over the processes (FSDP2): parameters, gradients and AdamW moments 1/N each
     # --mode grpo
     group_size: int = 8
     max_new_tokens: int = 32
@@ -154,6 +155,10 @@ class TrainConfig:
             spec_of(self)  # its own checks: dropout, base
         elif self.quantize_base != "fp32":
             raise ConfigurationError(f"--quantize-base {self.quantize_base} freezes the base under an adapter: add --lora RANK (e.g. --lora 16)")
+        if self.fsdp and self.lora_rank:
+            raise ConfigurationError("--fsdp shards a full fine-tune; an adapter fits one device: drop --fsdp or --lora")
+        if self.fsdp and self.rollouts == "store":
+            raise ConfigurationError("--fsdp with --rollouts store: the asynchronous trainer runs one process per path; drop --fsdp")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ConfigurationError(f"precision must be auto, fp32 or bf16, got {self.precision!r}")
 

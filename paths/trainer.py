@@ -28,9 +28,9 @@ from typing import Any, Callable, Iterable, Protocol, TypeVar
 
 import torch
 
-from paths import checkpoint
+from paths import checkpoint, fsdp
 from paths.adapters import adapter_state, is_adapted, load_adapter_state
-from paths.errors import LeaseLost, PathsError
+from paths.errors import ConfigurationError, LeaseLost, PathsError
 from paths.train_config import TrainConfig
 from storage.layout import Run
 
@@ -244,6 +244,12 @@ class Trainer:
             self.callbacks.append(Tracking(run.url.rstrip("/").rsplit("/", 1)[-1], cfg.report_to, cfg.logging_dir))
         self.desc, self.show_progress, self.resume_hint = desc, show_progress, resume_hint
         self.stop = Stop()
+        self.fsdp = cfg.fsdp
+        if self.fsdp:  # sharded before the optimizer sees the parameters: its moments are sharded too
+            if acc.num_processes < 2:
+                raise ConfigurationError("--fsdp shards a path over several processes: launch N of them (torchrun --nproc-per-node N, accelerate launch --num-processes N), or drop --fsdp")
+            fsdp.shard(model)
+        self.plain: torch.nn.Module | None = None  # FSDP: the whole model on rank 0, gathered to commit
         self.optimizer = make_optimizer(model, cfg)
         self.step, self.tokens, self.loss = 0, 0, None
         self.metrics: list[dict[str, Any]] = []
@@ -263,7 +269,8 @@ class Trainer:
         cfg, acc = self.cfg, self.acc
         start = self._resume()
         scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg), last_epoch=start - 1) if start else torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
-        self.model, self.optimizer = acc.prepare(self.model, self.optimizer)
+        if not self.fsdp:  # FSDP2 syncs gradients itself: no DDP wrapper
+            self.model, self.optimizer = acc.prepare(self.model, self.optimizer)
         for cb in self.callbacks:
             cb.started(self)
         multiple = self.step_fn.checkpoint_multiple
@@ -304,14 +311,20 @@ class Trainer:
         if resumed is None:
             return 0
         start, model_sd, opt_sd, state = resumed
-        if is_adapted(self.model):
+        if self.fsdp:
+            fsdp.load(self.model, self.optimizer, model_sd, checkpoint.optimizer_state(opt_sd, state["optimizer"]))
+        elif is_adapted(self.model):
             load_adapter_state(self.model, model_sd, f"checkpoint {start} of {self.unit}")
         else:
             self.model.load_state_dict(model_sd)
-        checkpoint.load_optimizer(self.optimizer, opt_sd, state["optimizer"])
-        data = state["data"]
+        if not self.fsdp:
+            checkpoint.load_optimizer(self.optimizer, opt_sd, state["optimizer"])
+        data, rng = state["data"], state["rng"]
+        ranks = len(data) if isinstance(data, list) else 1
+        if ranks != self.acc.num_processes:  # written by another number of ranks: the same global position, split anew
+            data = [_resharded(data, self.acc.num_processes, r, f"checkpoint {start} of {self.unit}") for r in range(self.acc.num_processes)]
+            rng = rng[0] if isinstance(rng, list) else rng
         self.batches.load_state_dict(data[self.acc.process_index] if isinstance(data, list) else data)
-        rng = state["rng"]
         set_rng_state(rng[self.acc.process_index] if isinstance(rng, list) else rng)  # one state per rank under DDP
         self.step, self.tokens, self.loss = start, state["tokens"], state["loss"]
         saved = checkpoint.read_file(self.run, self.unit, start, "metrics.jsonl")  # the checkpoint's own: a kill after COMMITTED loses none
@@ -338,12 +351,16 @@ class Trainer:
             **self.job, "step": self.step, "tokens": self.tokens, "loss": self.loss, "config": self.cfg.to_json(),
             "data": data, "rng": rng, **{k: v for cb in self.callbacks for k, v in cb.state().items()},
         }
+        if self.fsdp:
+            weights, optim = fsdp.gather(self.model, self.optimizer)  # every rank takes part; rank 0 holds the whole
+        else:
+            model = self.acc.unwrap_model(self.model)
+            weights = adapter_state(model) if is_adapted(model) else model.state_dict()  # a LoRA unit's base is re-read on resume
+            optim = self.optimizer.state_dict()
         self.acc.wait_for_everyone()
         if not self.main:
             return
-        model = self.acc.unwrap_model(self.model)
-        weights = adapter_state(model) if is_adapted(model) else model.state_dict()  # a LoRA unit's base is re-read on resume
-        checkpoint.save(self.run, self.unit, self.step, weights, self.optimizer, state, self.fence, files={"metrics.jsonl": self._metrics_bytes()})
+        checkpoint.save(self.run, self.unit, self.step, weights, optim, state, self.fence, files={"metrics.jsonl": self._metrics_bytes()})
         self.write_metrics()
         checkpoint.prune(self.run, self.unit, self.cfg.keep_checkpoints)
         for cb in self.callbacks:
@@ -360,6 +377,13 @@ class Trainer:
         """After `fit`: rank 0 commits the result with `commit(fence)`, writes the metrics and tells
         the callbacks; returns what `commit` returned (None on other ranks). Closes the callbacks."""
         try:
+            if self.fsdp:  # the whole model, gathered to rank 0, is what rank 0 commits
+                weights, _ = fsdp.gather(self.model)
+                if self.main:
+                    from transformers import AutoModelForCausalLM
+
+                    self.plain = AutoModelForCausalLM.from_config(self.model.config, dtype=torch.float32)
+                    self.plain.load_state_dict(weights)
             self.acc.wait_for_everyone()
             if not self.main:
                 return None
@@ -378,8 +402,8 @@ class Trainer:
 
     @property
     def unwrapped(self) -> torch.nn.Module:
-        """The model without the accelerator's wrapper (to save or evaluate)."""
-        return self.acc.unwrap_model(self.model)
+        """The model without the accelerator's wrapper (to save or evaluate); FSDP's, whole, after `finish` gathered it."""
+        return self.plain if self.plain is not None else self.acc.unwrap_model(self.model)
 
     def _check_stop(self, save: bool = False) -> None:
         """All ranks stop together: on a lost lease without writing; on a signal after a checkpoint."""
@@ -411,6 +435,18 @@ def _gather_objects(obj: Any) -> list[Any]:
     out: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(out, obj)
     return out
+
+
+def _resharded(data: Any, world: int, rank: int, what: str) -> dict[str, Any]:
+    """One rank's data state out of a checkpoint written by another number of ranks: every rank
+    consumed the same windows of one global order, so the global position splits evenly anew."""
+    states = data if isinstance(data, list) else [data]
+    if any(set(s) - {"rank", "world_size", "position"} != set(states[0]) - {"rank", "world_size", "position"} or "position" not in s for s in states):
+        raise ConfigurationError(f"{what} was written by {len(states)} ranks and its data state does not split by position: resume with {len(states)} ranks")
+    consumed = sum(int(s["position"]) for s in states)
+    if consumed % world:
+        raise ConfigurationError(f"{what} was written by {len(states)} ranks after {consumed} windows, which {world} ranks cannot split evenly: resume with a number of ranks dividing {consumed}")
+    return {**states[0], "rank": rank, "world_size": world, "position": consumed // world}
 
 
 def _without_rank(state: Any) -> Any:

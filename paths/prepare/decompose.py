@@ -86,7 +86,8 @@ def describe(run: Run, levels: int | None = None) -> dict[str, Any]:
     return summarize(plan, family.name, params, decomposed="plan" in meta)
 
 
-def describe_config(config_file: str, levels: int = 1, micro_batch: int = 1, seq_len: int = 2048, lora_rank: int = 16, device_gib: float | None = None) -> dict[str, Any]:
+def describe_config(config_file: str, levels: int = 1, micro_batch: int = 1, seq_len: int = 2048, lora_rank: int = 16, device_gib: float | None = None,
+                    devices: int = 8) -> dict[str, Any]:
     """`paths plan --config`: the plan of a published MoE config (a Hugging Face config.json, no
     weights), with parameters per path and the memory to train one path in each mode."""
     import json
@@ -100,8 +101,8 @@ def describe_config(config_file: str, levels: int = 1, micro_batch: int = 1, seq
             config = json.load(f)
     except (OSError, ValueError) as exc:
         raise ConfigurationError(f"--config {config_file}: not a readable config.json ({exc})") from None
-    if lora_rank < 1 or (device_gib is not None and device_gib <= 0):
-        raise ConfigurationError(f"--lora-rank must be >= 1 and --device-memory > 0, got {lora_rank} and {device_gib}")
+    if lora_rank < 1 or devices < 2 or (device_gib is not None and device_gib <= 0):
+        raise ConfigurationError(f"--lora-rank must be >= 1, --devices >= 2 and --device-memory > 0, got {lora_rank}, {devices} and {device_gib}")
     family = family_of_config(config, f"--config {config_file}")
     cfg, shapes = meta_shapes(family.moe_model_type, config, f"--config {config_file}")
     full = cfg.to_dict()  # with the class's defaults: a field left out may still make dense layers
@@ -116,19 +117,26 @@ def describe_config(config_file: str, levels: int = 1, micro_batch: int = 1, seq
     width += shared_mlp // (3 * cfg.hidden_size)
     out = summarize(plan, family.name, params, decomposed=False)
     out.update(config=config_file, path_form=family.path_form,
-               memory=memory_plan(params["path"], cfg, width, micro_batch, seq_len, lora_rank), micro_batch=micro_batch, seq_len=seq_len)
+               memory=memory_plan(params["path"], cfg, width, micro_batch, seq_len, lora_rank, devices=devices), micro_batch=micro_batch, seq_len=seq_len)
     if device_gib is not None:
         out.update(device_memory=device_gib, fits=fitting_mode(out["memory"], device_gib))
     return out
 
 
 def memory_plan(path_params: int, cfg: Any, expert_width: int, micro_batch: int, seq_len: int, lora_rank: int = 16,
-                adapted: tuple[int, int] | None = None) -> dict[str, dict[str, float]]:
+                adapted: tuple[int, int] | None = None, devices: int = 8) -> dict[str, dict[str, float]]:
     """GiB to train one path in each mode: weights, gradients and AdamW's two moments (exact from
     the parameter count), and activations (an estimate after Korthikanti et al. 2022, no
     recomputation: per layer and token 18H + 8I bytes at 16 bits for a SwiGLU block of width I (the
     expert's, plus a shared expert's), the attention scores not kept (SDPA / flash attention); plus
-    the logits and their softmax in fp32).
+    the logits and their softmax in fp32). The total is weights + moments + the larger of gradients
+    and activations (backward frees a layer's activations as it makes its gradients); the
+    framework's own buffers (a CUDA context, CPU thread pools) come on top.
+
+    The FSDP row is one of `devices` devices holding 1/N of the weights, gradients and moments (fp32,
+    FSDP2 as `--fsdp` shards: one unit per decoder layer, the rest as the root unit) plus what is
+    gathered whole: the root unit through forward and backward, and two layers at a time (the one
+    running and the one prefetched), with their unsharded gradients.
 
     LoRA rows: the adapter (rank `lora_rank` beside the attention and the path's expert MLPs)
     trains, with fp32 moments; the base is frozen, in fp32, int8 (one byte a weight of the decoder
@@ -148,16 +156,21 @@ def memory_plan(path_params: int, cfg: Any, expert_width: int, micro_batch: int,
     per_rank, linear = adapted
     lora = per_rank * lora_rank
     frozen_rest = path_params - linear
+    n, layer = max(1, devices), linear / max(1, L)
     gib = float(1 << 30)
     trainable = {"gradients": 4 * lora, "optimizer": 8 * lora, "activations": 2 * act16}
     modes = {
         "fp32 AdamW": {"weights": 4 * path_params, "gradients": 4 * path_params, "optimizer": 8 * path_params, "activations": 2 * act16},
         "bf16 mixed": {"weights": 4 * path_params, "gradients": 4 * path_params, "optimizer": 8 * path_params, "activations": act16},
+        f"FSDP x{devices}, fp32": {"weights": 4 * path_params / n + 4 * (frozen_rest + 2 * layer) * (n - 1) / n, "gradients": 4 * path_params / n + 4 * (frozen_rest + layer) * (n - 1) / n,
+                                    "optimizer": 8 * path_params / n, "activations": 2 * act16},
         f"LoRA r{lora_rank}": {"weights": 4 * path_params + 4 * lora, **trainable},
         f"LoRA r{lora_rank}, int8 base": {"weights": linear * (1 + 4 / max(1, H)) + 4 * frozen_rest + 4 * lora, **trainable},
         f"LoRA r{lora_rank}, nf4 base": {"weights": linear * (0.5 + 0.127 / 8) + 4 * frozen_rest + 4 * lora, **{**trainable, "activations": act16}},
     }
-    return {mode: {**{k: v / gib for k, v in parts.items()}, "total": sum(parts.values()) / gib} for mode, parts in modes.items()}
+    # backward frees each layer's activations as it makes its gradients: the peak holds the larger of the two
+    return {mode: {**{k: v / gib for k, v in parts.items()}, "total": (parts["weights"] + parts["optimizer"] + max(parts["gradients"], parts["activations"])) / gib}
+            for mode, parts in modes.items()}
 
 
 def fitting_mode(memory: dict[str, dict[str, float]], device_gib: float) -> str | None:

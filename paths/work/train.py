@@ -146,6 +146,8 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
         raise ConfigurationError(f"--mode {mode!r} is not a training mode: use lm, sft or grpo")
     if init not in ("base", "final"):
         raise ConfigurationError(f"--init must be base or final, got {init!r}")
+    if cfg.fsdp and mode == "grpo":
+        raise ConfigurationError("--fsdp trains --mode lm and sft: GRPO samples on every rank at its own pace, which sharded layers cannot follow; drop --fsdp")
     if mode == "grpo":  # the rewards, and a multi-turn environment's episodes (its package version checked)
         reward_fns, episodes = dataset_scoring(run, dataset, rewards)
     else:

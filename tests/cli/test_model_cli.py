@@ -170,3 +170,30 @@ def test_plan_of_a_published_config_gives_real_sizes_and_the_memory_of_a_path(tm
     assert code == 0 and s["parameters_total"] == 671_026_419_200 and s["paths"] == 256 and s["level_layers"] == [[3, 60]], err
     code, _, err = paths("plan")
     one_line_error(code, err, "a RUN or --config FILE")
+
+
+def test_plan_names_the_first_mode_that_fits_a_device(tmp_path):
+    """Qwen3-30B-A3B on a 24 GiB card: no single-device full fine-tune fits, sharded over 8 devices it
+    does; on 12 GiB only an adapter over a 4-bit base; more devices, less a device; adapters' bases
+    shrink fp32 > int8 > nf4 while their trainable state is the same; nothing fits 1 GiB."""
+    from paths.families import CONFIGS
+
+    config = os.path.join(CONFIGS, "published", "qwen3-30b-a3b.json")
+
+    def plan(*args):
+        code, out, err = paths("plan", "--config", config, *args)
+        assert code == 0, err
+        return out
+
+    s = json.loads(plan("--device-memory", "24", "--json"))
+    m = s["memory"]
+    assert s["fits"] == "FSDP x8, fp32" and m["fp32 AdamW"]["total"] > 24 and m["bf16 mixed"]["total"] > 24 >= m["FSDP x8, fp32"]["total"]
+    assert m["FSDP x8, fp32"]["optimizer"] == m["fp32 AdamW"]["optimizer"] / 8
+    assert m["LoRA r16"]["weights"] > m["LoRA r16, int8 base"]["weights"] > m["LoRA r16, nf4 base"]["weights"]
+    assert m["LoRA r16"]["optimizer"] == m["LoRA r16, int8 base"]["optimizer"] < m["fp32 AdamW"]["optimizer"] / 50
+    assert json.loads(plan("--device-memory", "12", "--json"))["fits"] == "LoRA r16, nf4 base"
+    two = json.loads(plan("--devices", "2", "--json"))["memory"]["FSDP x2, fp32"]["total"]
+    assert m["FSDP x8, fp32"]["total"] < two < m["fp32 AdamW"]["total"]
+    assert "no mode fits" in plan("--device-memory", "1")
+    code, _, err = paths("plan", "--config", config, "--devices", "1")
+    one_line_error(code, err, "--devices >= 2")

@@ -9,8 +9,8 @@ whole blob in memory):
   zstd-compressed. The trainer keeps the weights the workers rebuild (`published`) and encodes
   each change against them, so rounding never accumulates: what it leaves out of one version it
   ships in the next;
-- `adapter`: a LoRA unit's adapter (and any tensor trained in full beside it), merged by workers
-  into the unit's frozen base, which is written once under `policy/<path>/base-<sha>/`.
+- `adapter`: a LoRA unit's adapter (and any tensor trained in full beside it) in bf16, merged by
+  workers into the unit's frozen base (fp32), which is written once under `policy/<path>/base-<sha>/`.
 
 A version's `sha256` names the weights it stands for: `state_digest` of them for full and delta
 (workers check what they rebuilt against it), and the digest of its base and adapter files for an

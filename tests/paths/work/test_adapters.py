@@ -150,3 +150,39 @@ def test_grpo_and_sft_train_an_adapter(tmp_path, tokenizer_dir):
     assert summary["steps"] == 2 and summary["lora"]["rank"] == 4
     summary = train(run, "p02", "sft", "rl", load_config(sets=["seq_len=48", "batch_size=4", "lora_rank=4", "checkpoint_every=0"], steps=2), None, show_progress=False)
     assert summary["steps"] == 2 and os.path.exists(run.store.path(f"{run.final('p02')}/adapter.safetensors"))
+
+
+def test_an_adapter_trained_path_composes_like_a_full_path_holding_peft_merged_weights(tmp_path, tokenizer_dir):
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from compose.merge import compose_moe
+    from paths.models import fetch_final
+    from storage.manifest import ArtifactWriter
+
+    docs_run = lm_run(str(tmp_path / "lm"), tokenizer_dir)  # 16 paths of documents
+    train(docs_run, "p02-01", "lm", "lm", lora_cfg(steps=3), None, show_progress=False)
+    compose_moe(docs_run, "lora")
+    # the same path as a full fine-tune would leave it: peft's own merge of the same adapter, committed as final/
+    folder = str(tmp_path / "final")
+    fetch_final(docs_run, "p02-01", folder)
+    adapter = load_file(os.path.join(folder, "adapter.safetensors"))
+    model, _ = loaded(docs_run, tmp_path, "p02-01")
+    targets = sorted({k.removesuffix(".lora_A.weight") for k in adapter if k.endswith(".lora_A.weight")})
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    peft.set_peft_model_state_dict(wrapped, {"base_model.model." + k: v for k, v in adapter.items()})
+    merged = wrapped.merge_and_unload()
+    out = str(tmp_path / "full")
+    merged.save_pretrained(out)
+    for name in ("config.json", "path.json", "provenance.json", "tokenizer.json", "tokenizer_config.json"):
+        if os.path.exists(os.path.join(folder, name)) and not os.path.exists(os.path.join(out, name)):
+            os.link(os.path.join(folder, name), os.path.join(out, name))
+    writer = ArtifactWriter(docs_run.store, docs_run.final("p02-01"))
+    docs_run.store.delete_prefix(docs_run.final("p02-01"))
+    for name in sorted(os.listdir(out)):
+        writer.upload(name, os.path.join(out, name))
+    writer.commit(kind="final")
+    compose_moe(docs_run, "full")
+    a = load_file(docs_run.store.path("composed/lora/model.safetensors"))
+    b = load_file(docs_run.store.path("composed/full/model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

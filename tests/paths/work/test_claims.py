@@ -76,7 +76,7 @@ def test_fenced_worker_cannot_commit_a_checkpoint(run2):
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(LeaseLost):
-        checkpoint.save(run2, "p00-01", 5, model, opt, {"step": 5}, old.renew)
+        checkpoint.save(run2, "p00-01", 5, model.state_dict(), opt.state_dict(), {"step": 5}, old.renew)
     assert run2.checkpoints("p00-01") == [(5, False)]  # files may be there; never COMMITTED
 
 
