@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from paths.adapters import attach, merged_state, spec_of, target_modules
-from paths.checkpoint import check_resumable
+from paths.checkpoint import check_resumable, start_digest
 from paths.errors import ConfigurationError
 from paths.steps import LMStep, RoundRobin, ShardBatches, micro_loss
 from paths.tracking import accelerator
@@ -116,7 +116,7 @@ def finetune_moe(
         for name, p in model.named_parameters():
             p.requires_grad_(train == "all" or name in routers)
         batches = RoundRobin({p: ShardBatches(PathDataset(run, dataset, p, cfg.seq_len, seed=cfg.seed, batch_size=cfg.batch_size), cfg.batch_size, cfg.seed) for p in shards})
-        job = {"mode": "finetune-moe", "dataset": dataset, "source": source, "train": train, "lora": lora.to_json() if lora else None}
+        job = {"mode": "finetune-moe", "dataset": dataset, "source": source, "train": train, "lora": lora.to_json() if lora else None, "start": start_digest(folder) if lora else None}
         check_resumable(run, f"moe-{out}", job)
         with patched(model, family, chosen) as found:
             if lora:  # the adapter beside the targets (attention by default: the experts are fused tensors), the routers in full beside it

@@ -12,7 +12,9 @@ the previous committed one (with a warning).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import time
 import warnings
 from typing import Any, Callable
@@ -109,10 +111,27 @@ def load_latest(run: Run, path_id: str, job: dict[str, Any] | None = None) -> tu
     return None
 
 
-def check_resumable(run: Run, path_id: str, job: dict[str, Any], strict: tuple[str, ...] = ("lora",)) -> None:
+def start_digest(folder: str) -> str:
+    """The sha256 of the weights a unit starts from (the folder's safetensors files, by name): an
+    adapter's checkpoint resumes over the weights it was trained over, never over others."""
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            with open(os.path.join(folder, name), "rb") as f:
+                h.update(name.encode() + b"\0" + hashlib.file_digest(f, "sha256").digest())
+    return h.hexdigest()
+
+
+FIXES = {
+    "lora": "resume with the settings it was trained with (--lora RANK, --quantize-base, --set lora_alpha=/lora_dropout=/lora_targets=)",
+    "start": "its adapter was trained over other starting weights (base/ or final/ changed since)",
+}
+
+
+def check_resumable(run: Run, path_id: str, job: dict[str, Any], strict: tuple[str, ...] = ("lora", "start")) -> None:
     """One line when the newest committed checkpoint of this stage (same mode and dataset) was
-    trained with other `strict` settings (an adapter's rank or targets, or none): resuming it would
-    start over silently."""
+    trained with other `strict` settings (an adapter's settings, or none; the weights an adapter
+    was trained over): resuming it would start over silently, or put the adapter on other weights."""
     for step, committed in reversed(run.checkpoints(path_id)):
         if not committed:
             continue
@@ -125,7 +144,7 @@ def check_resumable(run: Run, path_id: str, job: dict[str, Any], strict: tuple[s
         for key in strict:
             if state.get(key) != job.get(key):
                 raise ConfigurationError(f"checkpoint {step} of {path_id} was trained with {key} = {json.dumps(state.get(key))}, this run asks for {json.dumps(job.get(key))}: "
-                                         "resume with the settings it was trained with (--lora RANK, --set lora_targets=...)")
+                                         f"{FIXES.get(key, 'resume with the settings it was trained with')}, or delete {run.store.url_of(run.checkpoint(path_id, step))} and the checkpoints before it to start over")
         return
 
 

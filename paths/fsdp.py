@@ -18,16 +18,19 @@ from torch import nn
 from paths.errors import ConfigurationError
 
 
-def shard(model: nn.Module) -> nn.Module:
-    """Shard every decoder layer, then the rest (embeddings, norm, head) as the root unit."""
-    from torch.distributed.fsdp import fully_shard
+def shard(model: nn.Module, bf16: bool = False) -> nn.Module:
+    """Shard every decoder layer, then the rest (embeddings, norm, head) as the root unit. `bf16`:
+    each unit computes in bf16 over its fp32 shards, gradients reduced in fp32 (FSDP2's mixed
+    precision, what accelerate's bf16 autocast is elsewhere)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     layers = [m for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and name.endswith("layers")]
     if not layers:
         raise ConfigurationError(f"--fsdp finds no decoder layers in {type(model).__name__}: train it without --fsdp")
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     for layer in layers[0]:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     return model
 
 

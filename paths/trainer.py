@@ -248,7 +248,7 @@ class Trainer:
         if self.fsdp:  # sharded before the optimizer sees the parameters: its moments are sharded too
             if acc.num_processes < 2:
                 raise ConfigurationError("--fsdp shards a path over several processes: launch N of them (torchrun --nproc-per-node N, accelerate launch --num-processes N), or drop --fsdp")
-            fsdp.shard(model)
+            fsdp.shard(model, bf16=acc.mixed_precision == "bf16")  # its own autocast: accelerate's wraps a prepared model only
         self.plain: torch.nn.Module | None = None  # FSDP: the whole model on rank 0, gathered to commit
         self.optimizer = make_optimizer(model, cfg)
         self.step, self.tokens, self.loss = 0, 0, None
@@ -357,14 +357,17 @@ class Trainer:
             model = self.acc.unwrap_model(self.model)
             weights = adapter_state(model) if is_adapted(model) else model.state_dict()  # a LoRA unit's base is re-read on resume
             optim = self.optimizer.state_dict()
-        self.acc.wait_for_everyone()
-        if not self.main:
-            return
-        checkpoint.save(self.run, self.unit, self.step, weights, optim, state, self.fence, files={"metrics.jsonl": self._metrics_bytes()})
-        self.write_metrics()
-        checkpoint.prune(self.run, self.unit, self.cfg.keep_checkpoints)
-        for cb in self.callbacks:
-            cb.committed(self, self.step)
+        failed: Exception | None = None
+        if self.main:
+            try:
+                checkpoint.save(self.run, self.unit, self.step, weights, optim, state, self.fence, files={"metrics.jsonl": self._metrics_bytes()})
+                self.write_metrics()
+                checkpoint.prune(self.run, self.unit, self.cfg.keep_checkpoints)
+                for cb in self.callbacks:
+                    cb.committed(self, self.step)
+            except Exception as exc:  # a lost lease, the store: every rank stops, not rank 0 alone
+                failed = exc
+        self._agree(failed, f"checkpoint {self.step}")
 
     def write_metrics(self) -> None:
         """work/<unit>/metrics.jsonl: one JSON line per optimizer step, resumed runs included."""
@@ -379,11 +382,16 @@ class Trainer:
         try:
             if self.fsdp:  # the whole model, gathered to rank 0, is what rank 0 commits
                 weights, _ = fsdp.gather(self.model)
+                failed: Exception | None = None
                 if self.main:
-                    from transformers import AutoModelForCausalLM
+                    try:
+                        from transformers import AutoModelForCausalLM
 
-                    self.plain = AutoModelForCausalLM.from_config(self.model.config, dtype=torch.float32)
-                    self.plain.load_state_dict(weights)
+                        self.plain = AutoModelForCausalLM.from_config(self.model.config, dtype=torch.float32)
+                        self.plain.load_state_dict(weights)
+                    except Exception as exc:
+                        failed = exc
+                self._agree(failed, "the final weights")
             self.acc.wait_for_everyone()
             if not self.main:
                 return None
@@ -394,6 +402,15 @@ class Trainer:
             return out
         finally:
             self.close()
+
+    def _agree(self, failed: Exception | None, what: str) -> None:
+        """Rank 0's failure (`failed`) raised on every rank, so none waits in a collective that rank 0
+        never reaches: rank 0 raises its own error, the others one line pointing at it."""
+        if not ranks_agree(self.acc, failed is not None, "any"):
+            return
+        if failed is not None:
+            raise failed
+        raise PathsError(f"rank 0 could not write {what} of {self.desc} {self.unit}: its error says why; every rank stops")
 
     def close(self) -> None:
         """Close every callback (heartbeats stop, signal handlers are restored)."""
@@ -438,14 +455,21 @@ def _gather_objects(obj: Any) -> list[Any]:
 
 
 def _resharded(data: Any, world: int, rank: int, what: str) -> dict[str, Any]:
-    """One rank's data state out of a checkpoint written by another number of ranks: every rank
-    consumed the same windows of one global order, so the global position splits evenly anew."""
+    """One rank's data state out of a checkpoint written by another number of ranks. Rank r of W
+    reads windows r, r+W, ... of each epoch's global order, so W ranks at one position have read a
+    prefix of the global order: exact as long as no rank has wrapped into an epoch of another
+    length (an epoch of n windows gives every rank n/W when W divides n), before or after."""
     states = data if isinstance(data, list) else [data]
-    if any(set(s) - {"rank", "world_size", "position"} != set(states[0]) - {"rank", "world_size", "position"} or "position" not in s for s in states):
+    fields = {"rank", "world_size", "position"}
+    if any(set(s) - fields != set(states[0]) - fields or "position" not in s or "windows" not in s for s in states):
         raise ConfigurationError(f"{what} was written by {len(states)} ranks and its data state does not split by position: resume with {len(states)} ranks")
+    old, n = len(states), int(states[0]["windows"])
     consumed = sum(int(s["position"]) for s in states)
     if consumed % world:
-        raise ConfigurationError(f"{what} was written by {len(states)} ranks after {consumed} windows, which {world} ranks cannot split evenly: resume with a number of ranks dividing {consumed}")
+        raise ConfigurationError(f"{what} was written by {old} ranks after {consumed} windows, which {world} ranks cannot split evenly: resume with a number of ranks dividing {consumed}")
+    for ranks in (old, world):
+        if consumed > ranks * (n // ranks) and n % ranks:
+            raise ConfigurationError(f"{what} was written by {old} ranks after {consumed} windows, past an epoch of {n} that {ranks} ranks do not split evenly: resume on as many ranks as wrote it ({old})")
     return {**states[0], "rank": rank, "world_size": world, "position": consumed // world}
 
 

@@ -251,7 +251,7 @@ class PathDataset(torch.utils.data.IterableDataset):
         return {
             "dataset": self.dataset, "path": self.path_id, "split": self.split, "seq_len": self.seq_len,
             "seed": self.seed, "shuffle": self.shuffle, "batch_size": self.batch_size,
-            "rank": self.rank, "world_size": self.world_size,
+            "rank": self.rank, "world_size": self.world_size, "windows": self.num_windows,
             "position": self.position if position is None else int(position),
         }
 

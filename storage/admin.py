@@ -171,13 +171,13 @@ def gc_plan(run: Run, older_than_s: float, keep: int, now: float | None = None) 
 
 def _finished_async(run: Run, older_than_s: float, now: float) -> list[GcItem]:
     """What asynchronous RL leaves once a path's training is finished (work/<path>/final/
-    committed): policy versions but the latest, and rollout batches idle past the cut-off (the
+    committed): policy versions but the latest (and the chain or the adapter base it needs), and rollout batches idle past the cut-off (the
     rejection records stay)."""
     groups: dict[str, list[ObjectInfo]] = {}
     for area in ("policy", "rollouts"):
         for obj in run.store.list(area):
             parts = obj.key.split("/")
-            if area == "policy" and len(parts) == 4 and parts[2].startswith("v"):
+            if area == "policy" and len(parts) == 4 and (parts[2].startswith("v") or parts[2].startswith("base-")):
                 groups.setdefault("/".join(parts[:3]), []).append(obj)
             elif area == "rollouts" and len(parts) >= 4 and parts[2] == "batches":
                 groups.setdefault("/".join(parts[:3]), []).append(obj)
@@ -192,11 +192,11 @@ def _finished_async(run: Run, older_than_s: float, now: float) -> list[GcItem]:
             if pid not in latest:
                 try:  # the latest version, and the chain it is rebuilt from when it is a delta
                     head = json.loads(run.store.read(f"policy/{pid}/latest.json"))
-                    latest[pid] = {"v%08d" % v for v in range(int(head.get("snapshot", head["version"])), int(head["version"]) + 1)}
+                    latest[pid] = {"v%08d" % v for v in range(int(head.get("snapshot", head["version"])), int(head["version"]) + 1)} | {str(head.get("base", "")).rsplit("/", 1)[-1]}
                 except Exception:
                     latest[pid] = set()
             if folder.split("/")[2] not in latest[pid]:
-                out.append(GcItem(folder, "policy version of a finished path (not the latest)", n, size))
+                out.append(GcItem(folder, "policy version of a finished path (not the latest)" if folder.split("/")[2].startswith("v") else "adapter base no version of a finished path names", n, size))
         elif now - max((o.mtime or now) for o in objs) >= older_than_s:
             out.append(GcItem(folder, f"rollout batches of a finished path, idle {_age(now - max((o.mtime or now) for o in objs))}", n, size))
     return out

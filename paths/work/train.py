@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from paths.adapters import LoraSpec, adapter_state, attach, load_nf4, merge, spec_of, target_modules
-from paths.checkpoint import check_resumable
+from paths.checkpoint import check_resumable, start_digest
 from paths.errors import ConfigurationError, LeaseLost
 from paths.models import fetch_final, materialize, materialize_expert
 from paths.steps import LMStep, ShardBatches
@@ -178,7 +178,7 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
             previous_stage = None
         torch.manual_seed(cfg.seed)
         lora = spec_of(cfg)
-        job = {"mode": mode, "dataset": dataset, "freeze": cfg.freeze, "lora": lora.to_json() if lora else None}
+        job = {"mode": mode, "dataset": dataset, "freeze": cfg.freeze, "lora": lora.to_json() if lora else None, "start": start_digest(start_dir) if lora else None}
         check_resumable(run, path_id, job)
         model = load_nf4(start_dir, acc.device) if lora and lora.base == "nf4" else AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(start_dir)

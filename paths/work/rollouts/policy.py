@@ -37,6 +37,12 @@ from storage.layout import Run
 FILES = {"full": "model.safetensors", "delta": "delta.safetensors.zst", "adapter": "adapter.safetensors"}
 
 
+def adapter_digest(base_sha256: str, file_sha256: str, scale: float) -> str:
+    """An adapter version's sha256: its base's weights, its adapter file and its scale, together (what
+    the version's nonce covers, so none of the three can be swapped under it)."""
+    return hashlib.sha256(f"{base_sha256}:{file_sha256}:{float(scale)!r}".encode()).hexdigest()
+
+
 def version_key(run: Run, path: str, version: int) -> str:
     return f"{run.policy(path)}/v{version:08d}"
 
@@ -96,7 +102,7 @@ class VersionWriter:
             del state
         adapter = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in adapter_state(model).items()}  # bf16: the sampler's copy, half the bytes
         file = write_tensors(self.run.store, f"{version_key(self.run, self.path, version)}/{FILES['adapter']}", adapter, compress=False)
-        digest = hashlib.sha256(f"{self.base['sha256']}:{file['sha256']}:{self.lora.scale!r}".encode()).hexdigest()
+        digest = adapter_digest(self.base["sha256"], file["sha256"], self.lora.scale)
         self.last = _record(self.run, self.path, version, self.salt, "adapter", digest, file, base=self.base["key"], base_sha256=self.base["sha256"],
                             base_file_sha256=self.base["file_sha256"], scale=self.lora.scale, snapshot=version, **meta)
         return self.last
@@ -134,15 +140,23 @@ class PolicyReader:
         if kind == "adapter":
             self._load_adapter(record)
         elif kind == "delta":
-            if self.held is None or self.held.get("sha256") != record["parent_sha256"] or self.held["version"] != record["parent"]:
-                self.load(int(record["parent"])) if int(record["parent"]) > int(record["snapshot"]) else self._load_full(self._record(int(record["snapshot"])))
-            self.held = None  # half-applied until checked
-            apply_delta(self.model.state_dict(), self._file(record))
-            self._check(record)
+            chain = [record]  # back to a version the model holds, or to the chain's snapshot
+            while not self._holds_parent(chain[-1]) and int(chain[-1]["parent"]) > int(chain[-1]["snapshot"]):
+                chain.append(self._record(int(chain[-1]["parent"])))
+            if not self._holds_parent(chain[-1]):
+                self._load_full(self._record(int(chain[-1]["snapshot"])))
+            for link in reversed(chain):
+                self.held = None  # half-applied until checked
+                apply_delta(self.model.state_dict(), self._file(link))
+                self._check(link)
+                self.held = link
         else:
             self._load_full(record)
         self.held = record
         return record
+
+    def _holds_parent(self, record: dict[str, Any]) -> bool:
+        return self.held is not None and self.held.get("sha256") == record["parent_sha256"] and self.held["version"] == record["parent"]
 
     def _record(self, version: int) -> dict[str, Any]:
         record = version_record(self.run, self.path, version)
@@ -163,6 +177,8 @@ class PolicyReader:
         self.held = record
 
     def _load_adapter(self, record: dict[str, Any]) -> None:
+        if adapter_digest(record["base_sha256"], record["file_sha256"], record["scale"]) != record["sha256"]:
+            raise DataError(f"policy version {record['version']} of {self.path} names a base, an adapter or a scale other than its sha256 covers: read latest.json again")
         if self._base is None or self._base[0] != record["base_sha256"]:
             base = read_tensors(self.run.store, f"{record['base']}/model.safetensors", record["base_file_sha256"], compress=False)
             if state_digest(base) != record["base_sha256"]:

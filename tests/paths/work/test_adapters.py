@@ -4,6 +4,7 @@ base may be int8; --freeze shared keeps every shared tensor the base's; bad sett
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from safetensors.torch import load, load_file
 
 from paths.adapters import Int8Linear, LoraSpec, adapter_state, attach, merge, target_modules
+from paths.checkpoint import check_resumable
 from paths.errors import ConfigurationError
 from paths.train_config import load_config
 from paths.work.train import train
@@ -84,6 +86,11 @@ def test_resume_is_exact_and_refuses_another_adapter(tmp_path, tokenizer_dir):
     for sets, steps in ((["lora_rank=0"], 8), (["lora_rank=8"], 8), (["lora_targets=attention"], 8)):
         with pytest.raises(ConfigurationError, match="checkpoint 4 of p01-02 was trained with lora"):
             train(runs[1], "p01-02", "lm", "lm", load_config(sets=[*LM, "lr=1e-2", "lora_rank=4", *sets], steps=steps), None, show_progress=False)
+    state = json.loads(read_verified(runs[1].store, runs[1].checkpoint("p01-02", 4), "state.json"))
+    job = {k: state[k] for k in ("mode", "dataset", "freeze", "lora", "start")}
+    assert len(job["start"]) == 64  # the digest of the weights the adapter was trained over
+    with pytest.raises(ConfigurationError, match="trained with start = .*other starting weights"):  # base/ or final/ changed under it
+        check_resumable(runs[1], "p01-02", {**job, "start": "0" * 64})
 
 
 def test_int8_base_trains_an_adapter_and_merges_into_fp32(tmp_path, tokenizer_dir):

@@ -110,3 +110,28 @@ def test_adapter_versions_ship_the_adapter_over_a_base_written_once(tmp_path, to
         expected = merge(base, {k: v.bfloat16() for k, v in adapter_state(adapted).items()}, spec.scale)  # shipped in bf16
         assert all(torch.equal(weights(reader.model)[k], expected[k]) for k in base)
     assert len([o for o in run.store.list("policy/p00") if "/base-" in o.key and o.key.endswith("model.safetensors")]) == 1
+    record_key = f"{version_key(run, 'p00', 2)}/policy.json"
+    good = json.loads(run.store.read(record_key))
+    for field, value in (("scale", 3.0), ("base_sha256", "0" * 64), ("file_sha256", "0" * 64)):  # under the same sha256 and nonce
+        run.store.write(record_key, json.dumps({**good, field: value}).encode())
+        with pytest.raises(DataError, match="other than its sha256 covers"):
+            PolicyReader(run, "p00", loaded(run, tmp_path)[0]).load(2)
+
+
+def test_gc_of_a_finished_adapter_path_keeps_the_base_its_latest_version_names(tmp_path, tokenizer_dir):
+    from storage.admin import gc_plan
+    from storage.manifest import MANIFEST
+
+    run = prompt_run(tmp_path, tokenizer_dir, holdout=0.0)
+    spec = LoraSpec(rank=2, alpha=4, targets=("attention",))
+    bases = []
+    for seed in (1, 2):  # a later stage over other starting weights: another base
+        base = loaded(run, tmp_path)[0]
+        nudge(base, seed)
+        adapted = attach(loaded(run, tmp_path)[0], spec, target_modules(loaded(run, tmp_path)[0], spec, [], False, "p00"))
+        record = VersionWriter(run, "p00", SALT, snapshot_every=4, lora=spec, make_base=lambda b=base: b).publish(seed, adapted)
+        bases.append(record["base"])
+    assert bases[0] != bases[1]
+    run.store.write(f"work/p00/final/{MANIFEST}", b"{}")  # the path is finished
+    plan = {item.key: item.reason for item in gc_plan(run, 0, 2) if item.key.startswith("policy/")}
+    assert plan == {"policy/p00/v00000001": "policy version of a finished path (not the latest)", bases[0]: "adapter base no version of a finished path names"}
