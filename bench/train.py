@@ -1,6 +1,6 @@
 """`paths train --mode lm` against Hugging Face `Trainer`, checkpoint cost, and claim latency.
 
-    .venv/bin/python bench/train.py [--steps 30] [--seq-len 256] [--batch 8] [--work bench/out/train]
+    .venv/bin/python bench/train.py [--steps 30] [--seq-len 256] [--batch 8] [--work bench/out/train] [--claims-only]
 
 1. Tokens/s: ours (`paths.train.train`, with a claim and its heartbeat) and HF `Trainer` train the
    same dense path (small-mixtral preset, ~3.4M parameters) for the same steps, batch, sequence
@@ -8,7 +8,7 @@
    no checkpoints during the timed part. Printed: tokens/s of each and the ratio (goal >= 1).
 2. Checkpoint: seconds and bytes of one committed checkpoint (model + AdamW state + state.json).
 3. Claims: 16 processes claim paths of a 256-path plan on SeaweedFS until none is left; p50 and
-   p99 of one successful `claim()` (reads + a conditional PUT).
+   p99 of one successful `claim()`, and its round trips to the store (reads, conditional PUTs, listings).
 Results are appended to bench/out/train.jsonl.
 """
 
@@ -122,16 +122,23 @@ def _claimer(url: str, options: dict, ids: list[str], barrier, results) -> None:
     from storage.layout import open_run
 
     run = open_run(url, options)
+    calls = [0]
+    for name in ("read_with_etag", "put_if_absent", "put_if_match", "list"):  # the store's round trips a claim makes
+        def counted(*a, _f=getattr(run.store, name), **k):
+            calls[0] += 1
+            return _f(*a, **k)
+        setattr(run.store, name, counted)
     barrier.wait()
-    times = []
+    times, trips = [], []
     while True:
-        t = time.perf_counter()
+        t, before = time.perf_counter(), calls[0]
         try:
             claim(run, ids, ttl=600)
         except NothingToClaim:
             break
         times.append(time.perf_counter() - t)
-    results.put(times)
+        trips.append(calls[0] - before)
+    results.put((times, trips))
 
 
 def claims_on_seaweed(work: str, claimers: int = 16) -> dict:
@@ -152,10 +159,12 @@ def claims_on_seaweed(work: str, claimers: int = 16) -> dict:
         procs = [ctx.Process(target=_claimer, args=(url, server.storage_options, out["paths"], barrier, results)) for _ in range(claimers)]
         for p in procs:
             p.start()
-        times = sorted(t for _ in procs for t in results.get(timeout=600))
+        got = [results.get(timeout=600) for _ in procs]
         for p in procs:
             p.join()
-    return {"claims": len(times), "paths": len(out["paths"]), "claim_p50_ms": 1000 * times[len(times) // 2], "claim_p99_ms": 1000 * times[min(len(times) - 1, int(0.99 * len(times)))]}
+    times, trips = sorted(t for ts, _ in got for t in ts), [n for _, ns in got for n in ns]
+    return {"claims": len(times), "paths": len(out["paths"]), "claim_p50_ms": 1000 * times[len(times) // 2], "claim_p99_ms": 1000 * times[min(len(times) - 1, int(0.99 * len(times)))],
+            "claim_round_trips_mean": sum(trips) / len(trips), "claim_round_trips_max": max(trips)}
 
 
 def main() -> None:
@@ -164,7 +173,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--claims-only", action="store_true", help="only part 3, the claims on SeaweedFS")
     args = parser.parse_args()
+    if args.claims_only:
+        os.makedirs(args.work, exist_ok=True)
+        out = claims_on_seaweed(os.path.join(args.work, f"claims-{os.getpid()}"))
+        print(f"claims on SeaweedFS, 16 claimers, {out['paths']} paths: p50 {out['claim_p50_ms']:.1f} ms, p99 {out['claim_p99_ms']:.1f} ms; "
+              f"round trips a claim {out['claim_round_trips_mean']:.2f} (max {out['claim_round_trips_max']})")
+        return
     from paths.train_config import load_config
 
     shutil.rmtree(args.work, ignore_errors=True)
@@ -190,7 +206,8 @@ def main() -> None:
     print(f"HF Trainer.train() (no checkpoints)                                  {result['hf_trainer_tok_s']:>9,.0f} tok/s   ratio {result['ratio']:.2f} (goal >= 1)")
     print(f"paths train, the step loop alone (from metrics.jsonl)                {result['ours_loop_tok_s']:>9,.0f} tok/s   ratio {result['loop_ratio']:.2f}")
     print(f"checkpoint: {result['checkpoint_s']:.3f} s, {result['checkpoint_bytes']:,} bytes")
-    print(f"claims on SeaweedFS, 16 claimers, {result['paths']} paths: p50 {result['claim_p50_ms']:.1f} ms, p99 {result['claim_p99_ms']:.1f} ms")
+    print(f"claims on SeaweedFS, 16 claimers, {result['paths']} paths: p50 {result['claim_p50_ms']:.1f} ms, p99 {result['claim_p99_ms']:.1f} ms; "
+          f"round trips a claim {result['claim_round_trips_mean']:.2f} (max {result['claim_round_trips_max']})")
     os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "out", "train.jsonl"), "a") as f:
         f.write(json.dumps({"at": time.time(), **result}) + "\n")

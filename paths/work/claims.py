@@ -29,6 +29,8 @@ from storage.layout import Run
 
 STATES = ("claimed", "done", "failed", "open")
 MIN_TTL = 5.0  # seconds: `paths train` takes about 1 s from start to its first renewal, then renews every ttl/3
+CLAIMS = "claims"  # the folder of claim records (Run.claim)
+PROBES = 4  # records read one by one before one listing of claims/ (a listing costs about 8 reads)
 HISTORY = 32  # tenures kept in a claim record's history
 GRACE = (0.1, 0.25)  # a takeover waits this share of the holder's ttl past expiry (jittered, at most 30 s)
 
@@ -127,15 +129,26 @@ def claimable(record: dict[str, Any] | None, now: float) -> bool:
 
 
 def claim(run: Run, paths: list[str], *, ttl: float = 600, worker: str | None = None, rng: random.Random | None = None) -> Lease:
-    """Claim one of `paths`: the first claimable one from a random starting point (so racing
-    workers rarely collide), by create-only put or by takeover of an expired / released record."""
+    """Claim one of `paths`: the first claimable one in a random order (so racing workers rarely
+    collide), by create-only put or by takeover of an expired / released record. Round trips: the
+    first try is a create-only put alone; then a read and a conditional put per path; past PROBES
+    tries, one listing of claims/, and a create-only put straight away where it shows no record."""
     if ttl <= 0:
         raise ConfigurationError(f"--ttl must be > 0 seconds, got {ttl}")
     worker = worker or default_worker()
     rng = rng or random.Random()
-    start = rng.randrange(len(paths)) if paths else 0
-    for path in paths[start:] + paths[:start]:
-        record, etag = read_claim(run, path)
+    order = rng.sample(paths, len(paths))  # each worker its own order: no clusters of held paths to walk past
+    recorded: set[str] | None = None
+    i = 0
+    while i < len(order):
+        if i == PROBES and recorded is None:  # a few held ones in a row: one listing finds those nobody claimed yet
+            recorded = {o.key for o in run.store.list(CLAIMS)}
+            rest = order[i:]
+            order[i:] = [p for p in rest if run.claim(p) not in recorded] + [p for p in rest if run.claim(p) in recorded]
+        path, guess = order[i], i == 0 and recorded is None  # the first try guesses "nobody claimed it": one create-only put
+        i += 1
+        unrecorded = guess or (recorded is not None and run.claim(path) not in recorded)
+        record, etag = (None, None) if unrecorded else read_claim(run, path)
         now = time.time()
         if not claimable(record, now) or (record is not None and record.get("state") == "claimed" and now < takeover_at(record, rng)):
             continue
@@ -156,6 +169,8 @@ def claim(run: Run, paths: list[str], *, ttl: float = 600, worker: str | None = 
             else:
                 new_etag = run.store.put_if_match(run.claim(path), _dump(new), etag)
         except (PreconditionFailed, NotFound):
+            if guess:
+                order.append(path)  # it has a record after all: read it in its turn (it may be expired or open)
             continue  # another worker won this one: try the next
         return Lease(run, path, worker, ttl, new_etag, new)
     raise NothingToClaim(f"nothing to claim in {run.url}: every path is done, failed or held by a live lease")
