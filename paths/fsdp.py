@@ -34,12 +34,6 @@ def shard(model: nn.Module, bf16: bool = False) -> nn.Module:
     return model
 
 
-def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
 def _full() -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 

@@ -319,13 +319,11 @@ class Trainer:
             self.model.load_state_dict(model_sd)
         if not self.fsdp:
             checkpoint.load_optimizer(self.optimizer, opt_sd, state["optimizer"])
-        data, rng = state["data"], state["rng"]
-        ranks = len(data) if isinstance(data, list) else 1
-        if ranks != self.acc.num_processes:  # written by another number of ranks: the same global position, split anew
-            data = [_resharded(data, self.acc.num_processes, r, f"checkpoint {start} of {self.unit}") for r in range(self.acc.num_processes)]
-            rng = rng[0] if isinstance(rng, list) else rng
-        self.batches.load_state_dict(data[self.acc.process_index] if isinstance(data, list) else data)
-        set_rng_state(rng[self.acc.process_index] if isinstance(rng, list) else rng)  # one state per rank under DDP
+        data, rng, rank = state["data"], state["rng"], self.acc.process_index
+        if (len(data) if isinstance(data, list) else 1) != self.acc.num_processes:  # written by another number of ranks: the same global position, split anew
+            data, rng = _resharded(data, self.acc.num_processes, rank, f"checkpoint {start} of {self.unit}"), rng[0] if isinstance(rng, list) else rng
+        self.batches.load_state_dict(data[rank] if isinstance(data, list) else data)
+        set_rng_state(rng[rank] if isinstance(rng, list) else rng)  # one state per rank under DDP
         self.step, self.tokens, self.loss = start, state["tokens"], state["loss"]
         saved = checkpoint.read_file(self.run, self.unit, start, "metrics.jsonl")  # the checkpoint's own: a kill after COMMITTED loses none
         metrics = [json.loads(line) for line in saved.decode().splitlines() if line.strip()] if saved is not None else read_metrics(self.run, self.unit)
@@ -391,8 +389,9 @@ class Trainer:
                         self.plain.load_state_dict(weights)
                     except Exception as exc:
                         failed = exc
-                self._agree(failed, "the final weights")
-            self.acc.wait_for_everyone()
+                self._agree(failed, "the final weights")  # every rank takes part: the barrier
+            else:
+                self.acc.wait_for_everyone()
             if not self.main:
                 return None
             out = commit(self.fence)

@@ -29,7 +29,6 @@ from storage.layout import Run
 
 STATES = ("claimed", "done", "failed", "open")
 MIN_TTL = 5.0  # seconds: `paths train` takes about 1 s from start to its first renewal, then renews every ttl/3
-CLAIMS = "claims"  # the folder of claim records (Run.claim)
 PROBES = 4  # records read one by one before one listing of claims/ (a listing costs about 8 reads)
 HISTORY = 32  # tenures kept in a claim record's history
 GRACE = (0.1, 0.25)  # a takeover waits this share of the holder's ttl past expiry (jittered, at most 30 s)
@@ -138,17 +137,16 @@ def claim(run: Run, paths: list[str], *, ttl: float = 600, worker: str | None = 
     worker = worker or default_worker()
     rng = rng or random.Random()
     order = rng.sample(paths, len(paths))  # each worker its own order: no clusters of held paths to walk past
-    recorded: set[str] | None = None
+    recorded: set[str] | None = None  # paths with a claim record, once listed
     i = 0
     while i < len(order):
         if i == PROBES and recorded is None:  # a few held ones in a row: one listing finds those nobody claimed yet
-            recorded = {o.key for o in run.store.list(CLAIMS)}
-            rest = order[i:]
-            order[i:] = [p for p in rest if run.claim(p) not in recorded] + [p for p in rest if run.claim(p) in recorded]
+            listed = {o.key for o in run.store.list("claims")}
+            recorded = {p for p in paths if run.claim(p) in listed}
+            order[i:] = sorted(order[i:], key=lambda p: p in recorded)  # stable: still in random order, the unrecorded first
         path, guess = order[i], i == 0 and recorded is None  # the first try guesses "nobody claimed it": one create-only put
         i += 1
-        unrecorded = guess or (recorded is not None and run.claim(path) not in recorded)
-        record, etag = (None, None) if unrecorded else read_claim(run, path)
+        record, etag = (None, None) if guess or (recorded is not None and path not in recorded) else read_claim(run, path)
         now = time.time()
         if not claimable(record, now) or (record is not None and record.get("state") == "claimed" and now < takeover_at(record, rng)):
             continue
