@@ -119,6 +119,48 @@ def next_round(run: str, source: str) -> None:
     click.echo(f"round {out['round']} started from composed/{name}: {out['paths']} paths decomposed again; round {out['round'] - 1} kept in {out['archive']}/")
 
 
+@click.command("diloco")
+@run_arg
+@click.option("--rounds", type=int, help="Set up: R rounds (once, before the first claim).")
+@click.option("--inner-steps", type=int, help="Set up: H inner steps of every path per round (a path trains R x H steps in all).")
+@click.option("--outer-lr", default=0.7, show_default=True, help="Set up: outer learning rate on each module's mean delta (DiPaCo: 0.7).")
+@click.option("--momentum", default=0.9, show_default=True, help="Set up: outer Nesterov momentum (0: plain averaging with --outer-lr 1).")
+@click.option("--step", "compute", is_flag=True, help="Compute every outer step whose paths are all in and nobody computed (after a worker died computing one).")
+@click.option("--json", "json_out", is_flag=True)
+def diloco(run: str, rounds: int | None, inner_steps: int | None, outer_lr: float, momentum: float, compute: bool, json_out: bool) -> None:
+    """DiLoCo rounds in place: set them up, or show (and with --step compute) their outer steps."""
+    from cli.render import as_json
+    from compose.diloco import outer_step
+    from paths.errors import ConfigurationError
+    from paths.work.diloco import configure, status
+    from storage.layout import open_run
+
+    r = open_run(run)
+    if rounds is not None or inner_steps is not None:
+        if rounds is None or inner_steps is None:
+            raise ConfigurationError("set rounds up with both --rounds R and --inner-steps H")
+        spec = configure(r, rounds, inner_steps, outer_lr, momentum)
+        click.echo(f"{len(spec.paths)} paths will train {spec.rounds} rounds of {spec.every} steps ({spec.total} in all: `paths train` takes --steps {spec.total} by itself); "
+                   f"outer step: lr {spec.outer_lr}, Nesterov momentum {spec.momentum}, into composed/round-<r>/", err=True)
+    computed = []
+    if compute:
+        for n in range(1, (status(r) or {"rounds": 0})["rounds"] + 1):
+            done = outer_step(r, n, worker="paths-diloco")
+            if done is None:
+                break
+            computed.append(done)
+    state = status(r)
+    if state is None:
+        raise ConfigurationError(f"{run} does not train in DiLoCo rounds: set them up with `paths diloco {run} --rounds R --inner-steps H`")
+    state["computed"] = computed
+    if json_out:
+        click.echo(as_json(state))
+        return
+    click.echo(f"{state['paths']} paths, {state['rounds']} rounds of {state['every']} steps, outer lr {state['outer_lr']}, momentum {state['momentum']}: {state['rounds_done']} rounds done")
+    for row in state["progress"]:
+        click.echo(f"  round {row['round']}: {row['paths_in']}/{state['paths']} paths in, outer step {'composed/round-' + str(row['round']) if row['outer_step'] else 'not yet'}")
+
+
 @click.command("finetune-moe")
 @run_arg
 @click.option("--model", "source", required=True, help="composed:NAME, the MoE to fine-tune.")

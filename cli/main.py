@@ -50,6 +50,7 @@ def _register() -> None:
     main.add_command(compose_cmds.compose)
     main.add_command(compose_cmds.evaluate)
     main.add_command(compose_cmds.next_round)
+    main.add_command(compose_cmds.diloco)
     main.add_command(compose_cmds.finetune_moe)
     main.add_command(compose_cmds.report)
     main.add_command(storage_cmds.storage)

@@ -41,6 +41,9 @@ RL_STEPS = 100
 RL_REWARDS = ["--reward", "math_answer", "--reward", "format=0.2"]
 SWARM_ROOT = "runs/quickstart-swarm"
 SWARM_STEPS = 30
+SWARM_LR = "1e-4"
+SWARM_MAX_ASYNC = 2
+SWARM_EXTERNAL = 4  # prompt groups a step taken from the other path's rollouts (SAPO)
 SWARM_SAMPLING = ("batch_size=8", "group_size=8", "max_new_tokens=24")  # trainers and workers must agree on these
 FLEX_ROOT = "runs/quickstart-flexolmo"
 FLEX_DOMAINS = {"code": "p00", "prose": "p01", "math": "p02"}  # p03: the public expert, never trained
@@ -280,8 +283,8 @@ def swarm_scenario(root: str = SWARM_ROOT) -> Scenario:
     lanes, env = {}, {}
     for p in ("p00", "p01"):
         lanes[f"trainer {p}"] = [["claim", root, "--path", p, "--ttl", "60", "--worker", f"trainer-{p}"],
-                                 ["train", root, "--mode", "grpo", "--dataset", "arith", *RL_REWARDS, "--rollouts", "store", "--max-async", "2", "--external", "4",
-                                  "--steps", str(SWARM_STEPS), "--checkpoint-every", "0", *sampling, *settings("warmup_steps=2", "lr=1e-4", "rollout_wait=20"), "--no-progress"]]
+                                 ["train", root, "--mode", "grpo", "--dataset", "arith", *RL_REWARDS, "--rollouts", "store", "--max-async", str(SWARM_MAX_ASYNC), "--external", str(SWARM_EXTERNAL),
+                                  "--steps", str(SWARM_STEPS), "--checkpoint-every", "0", *sampling, *settings("warmup_steps=2", f"lr={SWARM_LR}", "rollout_wait=20"), "--no-progress"]]
         env[f"trainer {p}"] = {"PATHS_HOME": os.path.join(f"{root}-home", p), "OMP_NUM_THREADS": "1"}  # each trainer on its own machine: its own claim file
     keys: list[Stage] = []
     for p in ("p00", "p01"):
@@ -362,10 +365,10 @@ def _rl_gain(root: str, composed_name: str = "rl") -> str:
     paths = {m: row["overall"] for m, row in table.items() if m.startswith("path:")}
     mean = sum(paths.values()) / len(paths)
     composed = table[f"composed:{composed_name}"]["overall"]
-    kept = (composed - seed) / (mean - seed) if mean > seed else float("nan")
+    # a share of the paths' mean gain only where there is one to share (a point or more)
+    kept = f"{(composed - seed) / (mean - seed):.0%} of the paths' mean gain" if mean - seed >= 0.01 else f"the paths' mean gained {mean - seed:+.3f}: no gain to keep"
     shown = ", ".join(f"{m} {v:.3f} ({v - seed:+.3f})" for m, v in paths.items())
-    return (f"seed (SFT cold start) {seed:.3f}; after GRPO: {shown}; composed MoE {composed:.3f} ({composed - seed:+.3f}, "
-            f"{kept:.0%} of the paths' mean gain)")
+    return f"seed (SFT cold start) {seed:.3f}; after GRPO: {shown}; composed MoE {composed:.3f} ({composed - seed:+.3f}, {kept})"
 
 
 def _write_json(path: str, body: Any) -> str:

@@ -23,7 +23,8 @@ def report_options(fn: Any) -> Any:
 @click.option("--path", "path_id", help="Claim this path or domain expert only (default: any claimable one).")
 @click.option("--ttl", default=600.0, show_default=True, help="Lease length in seconds (at least 5); `paths train` renews it every ttl/3 from its start.")
 @click.option("--worker", help="Worker name recorded in the claim (default: hostname-<random>).")
-def claim(run: str, path_id: str | None, ttl: float, worker: str | None) -> None:
+@click.option("--wait", default=0.0, show_default=True, help="DiLoCo rounds: seconds to keep trying while paths wait for a round's outer step (exit 3 after).")
+def claim(run: str, path_id: str | None, ttl: float, worker: str | None, wait: float) -> None:
     """Claim a path through the store; prints its id. Exit 3 when nothing is left to claim."""
     import time
 
@@ -39,7 +40,7 @@ def claim(run: str, path_id: str | None, ttl: float, worker: str | None) -> None
     if ids:
         r.store.exists(r.claim(ids[0]))  # one round trip, to size a workable ttl
     check_ttl(ttl, time.perf_counter() - t0)
-    lease = do(r, ids, ttl=ttl, worker=worker)
+    lease = do(r, ids, ttl=ttl, worker=worker, wait=wait)
     where = save_local(lease)
     click.echo(lease.path)
     click.echo(f"claimed {lease.path} as {lease.worker} (generation {lease.generation}, lease {ttl:.0f}s); recorded in {where}", err=True)
@@ -89,7 +90,7 @@ def train(run: str | None, path_id: str | None, mode: str, dataset: str, steps: 
     lease, path_id = lease_for_rank(r, path_id)
     beat = keep_alive(lease) if lease is not None else None  # renewing from now on: torch, materializing, resuming all come after
     try:
-        from paths.work.train import train as do
+        from compose.diloco import train as do  # paths.work.train's, with a DiLoCo run's outer step
         from paths.work.train import unit_config
 
         cfg = unit_config(r, path_id, cfg, steps_given=steps is not None)
@@ -101,6 +102,8 @@ def train(run: str | None, path_id: str | None, mode: str, dataset: str, steps: 
         click.echo(f"rollouts: {summary['rollouts']}")
     if "final" in summary:  # rank 0 (other ranks write nothing)
         click.echo(f"trained {summary['path']}: {summary['steps']} steps, {summary['tokens']:,} tokens, final loss {summary['final_loss']:.4f} -> {summary['final']}")
+    if "waiting" in summary:
+        click.echo(summary["waiting"])
 
 
 @click.command("release")

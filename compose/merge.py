@@ -23,7 +23,7 @@ import shutil
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -108,9 +108,11 @@ def compose_moe(run: Run, name: str, **options: Any) -> dict[str, Any]:
     return execute(run, plan_compose(run, name, **options))
 
 
-def execute(run: Run, plan: ComposePlan) -> dict[str, Any]:
+def execute(run: Run, plan: ComposePlan, fence: Callable[[], None] | None = None, tensor_hashes: bool = False) -> dict[str, Any]:
     """Stream a planned compose into a scratch folder, then install it as composed/<name>/: an
-    existing one is replaced only once the new one is complete and committed (storage.manifest.install)."""
+    existing one is replaced only once the new one is complete and committed (storage.manifest.install).
+    `fence` runs right before the install (raises to refuse it); `tensor_hashes`: the manifest
+    also holds every tensor's sha256, as base/'s does, so paths can be cut from it (DiLoCo rounds)."""
     from safetensors.torch import load as st_load
     from safetensors.torch import save as st_save
 
@@ -167,11 +169,11 @@ def execute(run: Run, plan: ComposePlan) -> dict[str, Any]:
                 size = f.tell()
             hashed[out.name] = {"bytes": size, "sha256": digest.hexdigest()}
         weight_files = [f.name for f in plan.files]
-        extra = _config_files(run, plan.base_files, family, dropped, out_dtype, plan.dtype, plan.weight_map)
+        extra = _config_files(run, plan.base, plan.base_files, family, dropped, out_dtype, plan.dtype, plan.weight_map)
         for fname in plan.base_files:
             if not fname.endswith(".safetensors"):
                 with open(os.path.join(tmp, fname), "wb") as f:
-                    f.write(extra.get(fname) or read_verified(run.store, run.base, fname))
+                    f.write(extra.get(fname) or read_verified(run.store, plan.base, fname))
         if plan.router == "centroid":
             from compose.router_init import apply_centroids
 
@@ -184,7 +186,14 @@ def execute(run: Run, plan: ComposePlan) -> dict[str, Any]:
             with open(os.path.join(tmp, "momentum.safetensors"), "wb") as f:
                 f.write(st_save(new_momentum))
         record = _record(plan, routed, contributors, time.perf_counter() - t0)
-        install(run.store, tmp, plan.prefix, plan.overwrite, {"compose.json": record}, hashed, kind="composed", into="moe", name=plan.name)
+        tensors = {}
+        if tensor_hashes:
+            from paths.prepare.init import hash_tensors
+
+            tensors["tensors"] = hash_tensors(tmp, family, plan.plan.num_experts)
+        if fence is not None:
+            fence()
+        install(run.store, tmp, plan.prefix, plan.overwrite, {"compose.json": record}, hashed, kind="composed", into="moe", name=plan.name, **tensors)
         return record
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -196,7 +205,7 @@ def _record(plan: ComposePlan, routed: Any, contributors: dict[str, list[str]], 
     everyone = sorted(t.path for t in trained)
     averaged = [t.path for t in trained if not t.anchored]  # anchored paths left the shared tensors the base's
     return {
-        "name": plan.name, "into": "moe", "base_checksum": plan.base_checksum, "family": plan.family.name,
+        "name": plan.name, "into": "moe", "base_checksum": plan.base_checksum, "family": plan.family.name, "start": plan.base,
         "options": {"outer_lr": plan.outer_lr, "momentum": plan.momentum, "weighting": plan.weighting, "previous": plan.previous, "dtype": plan.dtype,
                     "router": plan.router, "router_data": plan.router_data},
         "router_documents": routed,
@@ -210,11 +219,11 @@ def _record(plan: ComposePlan, routed: Any, contributors: dict[str, list[str]], 
     }
 
 
-def _config_files(run: Run, base_files: list[str], family: Family, out: OptOut, out_dtype: torch.dtype | None, dtype: str | None, weight_map: dict[str, str]) -> dict[str, bytes]:
+def _config_files(run: Run, base: str, base_files: list[str], family: Family, out: OptOut, out_dtype: torch.dtype | None, dtype: str | None, weight_map: dict[str, str]) -> dict[str, bytes]:
     """config.json (dtype, expert count) and the shard index, where they change."""
     changed: dict[str, bytes] = {}
     if out_dtype is not None or out.active:
-        config = json.loads(read_verified(run.store, run.base, "config.json"))
+        config = json.loads(read_verified(run.store, base, "config.json"))
         if out_dtype is not None:
             config.update(dtype=dtype, torch_dtype=dtype)
         if out.active:
@@ -224,7 +233,7 @@ def _config_files(run: Run, base_files: list[str], family: Family, out: OptOut, 
         changed["config.json"] = json.dumps(config, indent=2).encode()
     for fname in base_files:
         if fname.endswith(".index.json") and out.active:
-            index = json.loads(read_verified(run.store, run.base, fname))
+            index = json.loads(read_verified(run.store, base, fname))
             index["weight_map"] = dict(sorted(weight_map.items()))
             changed[fname] = json.dumps(index, indent=2).encode()
     return changed

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
 
@@ -44,8 +44,10 @@ class Trained:
     anchored: bool = False  # trained with --freeze shared: its shared tensors are the base's
 
 
-def trained_path(run: Run, pid: str, base_checksum: str, weighting: Weighting) -> Trained:
-    prefix = run.final(pid)
+def trained_path(run: Run, pid: str, base_checksum: str, weighting: Weighting, prefix: str | None = None) -> Trained:
+    """A finished path's work/<path>/final/ (or another artifact of its weights, `prefix`: a
+    DiLoCo round's diloco/r<r>/<path>/), checked against its manifest and the run's base."""
+    prefix = prefix or run.final(pid)
     try:
         manifest = read_manifest(run.store, prefix)
     except NotFound:
@@ -239,6 +241,7 @@ class ComposePlan:
     files: list[OutputFile]
     weight_map: dict[str, str]
     sources: dict[str, Any] = field(default_factory=dict)
+    base: str = "base"  # the checkpoint the deltas are taken from (a DiLoCo round's start)
 
     def describe(self, run: Run) -> dict[str, Any]:
         """What `paths compose --dry-run` prints: the output, the inputs, and where each tensor comes from."""
@@ -270,13 +273,21 @@ def plan_compose(
     router_docs: int = 64,
     exclude: list[str] | None = None,
     include: list[str] | None = None,
+    base: str | None = None,
+    weights: Callable[[str], str] | None = None,
 ) -> ComposePlan:
     """Decide and validate a compose (see `compose.merge.compose_moe` for the options). Reads
-    manifests, records and headers only; raises before anything is written."""
+    manifests, records and headers only; raises before anything is written. `base` and `weights`
+    (DiLoCo rounds, compose/diloco.py): the checkpoint the deltas are taken from, and where each
+    path's weights are, instead of base/ and work/<path>/final/."""
     from paths.base import require_base
     from paths.units import run_plan
 
     meta = require_base(run)
+    if "diloco" in meta and weights is None:
+        raise ConfigurationError(f"{run.url} trains in DiLoCo rounds: its composed model is composed/round-<last round>/, written by the worker that finished the round "
+                                 "(its paths' finals are deltas from the last round's start, not from base/); ensemble them with --into ensemble")
+    base = base or run.base
     plan, family, base_cfg = run_plan(run)
     prefix = run.composed(name)
     replaces = run.store.exists(f"{prefix}/manifest.json")
@@ -291,7 +302,7 @@ def plan_compose(
     out_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype) if dtype else None
     if dtype and out_dtype is None:
         raise ConfigurationError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    base_files = list(read_manifest(run.store, run.base)["files"])
+    base_files = list(read_manifest(run.store, run.base)["files"])  # a round's start mirrors them (beside its own momentum and records)
     if out_dtype is not None and any(f.endswith(".index.json") for f in base_files):
         raise ConfigurationError("--dtype with a sharded base is not supported yet: compose in the base's dtype")
     ids, excluded = selection(run, plan, paths, include, exclude)
@@ -305,12 +316,12 @@ def plan_compose(
             read_manifest(run.store, run.composed(previous))
         except NotFound:
             raise NotFound(f"--previous {previous}: no composed model {previous!r} in {run.url}: name the previous round's composed model") from None
-    trained = [trained_path(run, pid, meta["base"]["checksum"], weighting) for pid in ids]
+    trained = [trained_path(run, pid, meta["base"]["checksum"], weighting, weights(pid) if weights else None) for pid in ids]
     files, weight_map, sources = [], {}, {}
     for fname in base_files:
         if not fname.endswith(".safetensors"):
             continue
-        entries, metadata, _ = read_header(run.store, f"{run.base}/{fname}")
+        entries, metadata, _ = read_header(run.store, f"{base}/{fname}")
         out = OutputFile(fname, metadata, [], [])
         for e in sorted(entries.values(), key=lambda e: e.begin):
             if e.dtype not in DTYPES:
@@ -326,5 +337,5 @@ def plan_compose(
         name=name, prefix=prefix, overwrite=overwrite, replaces=replaces, family=family, plan=plan, base_checksum=meta["base"]["checksum"],
         ids=ids, excluded=excluded, dropped=dropped, trained=trained, outer_lr=outer_lr, momentum=momentum, weighting=weighting,
         previous=previous, dtype=dtype, out_dtype=out_dtype, router=router, router_data=router_data, router_docs=router_docs,
-        base_files=base_files, files=files, weight_map=weight_map, sources=sources,
+        base_files=base_files, files=files, weight_map=weight_map, sources=sources, base=base,
     )

@@ -125,7 +125,8 @@ def timeline(claims: dict[str, dict[str, Any]], now: float) -> list[dict[str, An
 
 
 # -- charts ---------------------------------------------------------------------------------------
-def _plt():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -134,10 +135,11 @@ def _plt():
     return plt
 
 
-def _png(fig) -> bytes:
+def png(fig) -> bytes:
+    """A figure as PNG bytes (the figure is closed)."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    _plt().close(fig)
+    pyplot().close(fig)
     return buf.getvalue()
 
 
@@ -177,7 +179,7 @@ def loss_chart(units: dict[str, dict[str, Any]]) -> bytes | None:
     kinds = sorted({u["kind"] for u in units.values() if u["kind"] != "grpo" and any("loss" in m for m in u["metrics"])})
     if not kinds:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(len(kinds), 1, figsize=(9, 3.6 * len(kinds)), squeeze=False)
     for ax, kind in zip(axes[:, 0], kinds):
         shown = [(n, u) for n, u in sorted(units.items()) if u["kind"] == kind and u["metrics"]]
@@ -188,7 +190,7 @@ def loss_chart(units: dict[str, dict[str, Any]]) -> bytes | None:
         ax.grid(alpha=0.3)
         _legend(ax, len(shown))
     fig.tight_layout()
-    return _png(fig)
+    return png(fig)
 
 
 def reward_chart(units: dict[str, dict[str, Any]]) -> bytes | None:
@@ -197,7 +199,7 @@ def reward_chart(units: dict[str, dict[str, Any]]) -> bytes | None:
     shown = [(n, u) for n, u in sorted(units.items()) if u["kind"] == "grpo" and any("reward_mean" in m for m in u["metrics"])]
     if not shown:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4))
     for i, (name, unit) in enumerate(shown):
         style = line_style(i)
@@ -212,14 +214,14 @@ def reward_chart(units: dict[str, dict[str, Any]]) -> bytes | None:
     ax.set(title="GRPO reward per step", xlabel="optimizer step", ylabel="reward")
     ax.grid(alpha=0.3)
     _legend(ax, 2 * len(shown))
-    return _png(fig)
+    return png(fig)
 
 
 def routing_chart(datasets: dict[str, dict[str, Any]]) -> bytes | None:
     """Documents and tokens routed to each path, one row per dataset (train split)."""
     if not datasets:
         return None
-    plt = _plt()
+    plt = pyplot()
     names = sorted(datasets)
     fig, axes = plt.subplots(len(names), 2, figsize=(12, 2.8 * len(names)), squeeze=False)
     for row, name in zip(axes, names):
@@ -231,7 +233,7 @@ def routing_chart(datasets: dict[str, dict[str, Any]]) -> bytes | None:
             ax.set(title=f"{name}: {what.replace('train_', '')} per path", ylabel=what.replace("train_", ""))
             ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    return _png(fig)
+    return png(fig)
 
 
 def claims_chart(tenures: list[dict[str, Any]]) -> bytes | None:
@@ -239,7 +241,7 @@ def claims_chart(tenures: list[dict[str, Any]]) -> bytes | None:
     another worker took over is marked with a red x where it ended."""
     if not tenures:
         return None
-    plt = _plt()
+    plt = pyplot()
     paths = sorted({t["path"] for t in tenures})
     workers = sorted({t["worker"] for t in tenures})
     t0 = min(float(t["from"]) for t in tenures)
@@ -258,7 +260,7 @@ def claims_chart(tenures: list[dict[str, Any]]) -> bytes | None:
     if len(workers) <= 20:
         ax.legend(handles, workers, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False, title="worker")
     ax.grid(axis="x", alpha=0.3)
-    return _png(fig)
+    return png(fig)
 
 
 # -- the page -------------------------------------------------------------------------------------
@@ -273,7 +275,8 @@ def fmt(x: Any) -> str:
     return str(x)
 
 
-def _table(headers: list[str], rows: list[list[Any]], cls: str = "") -> str:
+def html_table(headers: list[str], rows: list[list[Any]], cls: str = "") -> str:
+    """An HTML table; numbers right-aligned and written by `fmt`."""
     head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
     body = "".join("<tr>" + "".join(f"<td{' class=num' if isinstance(c, (int, float)) and not isinstance(c, bool) else ''}>{html.escape(fmt(c))}</td>" for c in row) + "</tr>" for row in rows)
     return f"<table class='{cls}'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
@@ -286,7 +289,7 @@ def _units_table(units: dict[str, dict[str, Any]], claims: dict[str, dict[str, A
         prov = unit.get("provenance") or {}
         reward = last.get("reward_mean")
         rows.append([name, unit["kind"], prov.get("dataset", ""), last.get("step", 0), last.get("tokens", 0), last.get("loss"), reward, (claims.get(name) or {}).get("state", ""), "yes" if prov else "no"])
-    return _table(["unit", "training", "dataset", "steps", "tokens", "last loss", "last reward", "claim", "final"], rows)
+    return html_table(["unit", "training", "dataset", "steps", "tokens", "last loss", "last reward", "claim", "final"], rows)
 
 
 def _sources_table(units: dict[str, dict[str, Any]]) -> str:
@@ -305,7 +308,7 @@ def _sources_table(units: dict[str, dict[str, Any]]) -> str:
             rows.append([name, source, len(got.get("reward", [])), mean("reward"), mean("length"), mean("truncated"), mean("share")])
     if not rows:
         return ""
-    return "<h3>Mixtures: per source, mean over steps</h3>" + _table(["unit", "source", "steps", "reward", "length", "truncated", "share"], rows)
+    return "<h3>Mixtures: per source, mean over steps</h3>" + html_table(["unit", "source", "steps", "reward", "length", "truncated", "share"], rows)
 
 
 def _eval_tables(evals: list[dict[str, Any]]) -> str:
@@ -317,7 +320,7 @@ def _eval_tables(evals: list[dict[str, Any]]) -> str:
         labels = e.get("labels") or {}
         when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(e["at"])) if e.get("at") else ""
         parts.append(f"<h3>{html.escape(str(e.get('metric', 'metric')))} on {html.escape(str(e.get('dataset', '?')))} ({html.escape(str(e.get('split', '')))}) <small>{when} UTC</small></h3>")
-        parts.append(_table(["model", *[labels.get(c, c) for c in cols]], [[m, *[row.get(c) for c in cols]] for m, row in table.items()], "eval"))
+        parts.append(html_table(["model", *[labels.get(c, c) for c in cols]], [[m, *[row.get(c) for c in cols]] for m, row in table.items()], "eval"))
     return "".join(parts)
 
 
@@ -335,7 +338,7 @@ def _composed_table(composed: dict[str, dict[str, Any]]) -> str:
         excluded = c.get("excluded") or {}
         out = ", ".join(excluded.get("paths") or []) or ", ".join(f"layer {k}: {v}" for k, v in (excluded.get("removed_experts") or {}).items() if v)
         rows.append([name, c.get("into", "moe"), fed, router, out or "none", c.get("family", "")])
-    return _table(["composed", "into", "from", "router", "opted out", "family"], rows)
+    return html_table(["composed", "into", "from", "router", "opted out", "family"], rows)
 
 
 CSS = """body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;margin:2rem auto;max-width:1200px;color:#222;padding:0 1rem}
@@ -362,13 +365,13 @@ def render(facts: dict[str, Any], images: dict[str, bytes], missing: list[str]) 
     if facts["datasets"]:
         sections.append("<h2>Routing: documents and tokens per path</h2>")
         rows = [[name, d["kind"], d.get("router") or "", len(d["paths"]), sum(e["train_docs"] for e in d["paths"].values()), sum(e["train_tokens"] for e in d["paths"].values())] for name, d in sorted(facts["datasets"].items())]
-        sections.append(_table(["dataset", "kind", "router", "paths", "documents", "tokens"], rows))
+        sections.append(html_table(["dataset", "kind", "router", "paths", "documents", "tokens"], rows))
         sections.append(img.get("routing", ""))
     if "claims" in img:
         sections.append("<h2>Claims timeline</h2>" + img["claims"])
         takeovers = [t for t in facts["tenures"] if t["ended"] == "expired"]
         if takeovers:
-            sections.append("<p>Leases that expired and were taken over:</p>" + _table(["path", "worker", "generation", "held for (s)", "last step"], [[t["path"], t["worker"], t.get("generation"), float(t["until"]) - float(t["from"]), t.get("step")] for t in takeovers]))
+            sections.append("<p>Leases that expired and were taken over:</p>" + html_table(["path", "worker", "generation", "held for (s)", "last step"], [[t["path"], t["worker"], t.get("generation"), float(t["until"]) - float(t["from"]), t.get("step")] for t in takeovers]))
     if facts["evals"]:
         sections.append("<h2>Evaluations</h2>" + _eval_tables(facts["evals"]))
     if facts["composed"]:

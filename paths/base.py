@@ -153,19 +153,24 @@ def base_config(run: Run) -> dict[str, Any]:
     return json.loads(read_verified(run.store, run.base, "config.json"))
 
 
-def base_tensors(run: Run) -> tuple[dict[str, TensorEntry], int]:
-    """Every tensor of base/ with its file and byte range (headers by ranged reads), and the
-    header bytes read."""
-    manifest = read_manifest(run.store, run.base)
+NOT_WEIGHTS = ("momentum.safetensors",)  # a composed model's outer momentum, kept beside its weights
+
+
+def base_tensors(run: Run, source: str | None = None) -> tuple[dict[str, TensorEntry], int]:
+    """Every tensor of base/ (or of another MoE checkpoint of the run's family, `source`, e.g. a
+    DiLoCo round's composed/round-<r>/) with its file and byte range (headers by ranged reads),
+    and the header bytes read."""
+    prefix = source or run.base
+    manifest = read_manifest(run.store, prefix)
     out: dict[str, TensorEntry] = {}
     header_bytes = 0
     for fname in manifest["files"]:
-        if fname.endswith(".safetensors"):
-            tensors, _, n = read_header(run.store, f"{run.base}/{fname}")
+        if fname.endswith(".safetensors") and fname not in NOT_WEIGHTS:
+            tensors, _, n = read_header(run.store, f"{prefix}/{fname}")
             out.update(tensors)
             header_bytes += n
     if not out:
-        raise NotFound(f"{run.store.url_of(run.base)} holds no safetensors weights: run `paths init` first")
+        raise NotFound(f"{run.store.url_of(prefix)} holds no safetensors weights: run `paths init` first")
     return out, header_bytes
 
 

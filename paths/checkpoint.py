@@ -26,7 +26,7 @@ from storage.layout import COMMITTED, Run
 from storage.manifest import ArtifactWriter, read_manifest, read_verified
 
 
-def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """safetensors refuses tensors sharing memory (tied embeddings): copy the later ones."""
     seen: set[int] = set()
     out = {}
@@ -76,7 +76,7 @@ def save(run: Run, path_id: str, step: int, weights: dict[str, torch.Tensor], op
     t0 = time.perf_counter()
     prefix = run.checkpoint(path_id, step)
     writer = ArtifactWriter(run.store, prefix)
-    writer.write("model.safetensors", st_save(_unshared(weights)))
+    writer.write("model.safetensors", st_save(unshared(weights)))
     tensors, rest = optimizer_tensors(optimizer)  # its index-keyed state dict
     writer.write("optimizer.safetensors", st_save(tensors))
     writer.write_json("state.json", {**state, "optimizer": rest})

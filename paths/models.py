@@ -113,17 +113,22 @@ def path_fills(family: Family, tensors: dict[str, TensorEntry], experts: list[in
     return out
 
 
-def materialize(run: Run, path_id: str, out_dir: str) -> dict[str, Any]:
-    """Write the dense path as a standalone HF checkpoint folder (local) by ranged reads of base/.
+def materialize(run: Run, path_id: str, out_dir: str, source: str | None = None) -> dict[str, Any]:
+    """Write the dense path as a standalone HF checkpoint folder (local) by ranged reads of base/
+    (or of `source`, another MoE checkpoint of the run holding per-tensor hashes, such as a DiLoCo
+    round's composed/round-<r>/).
 
     Memory stays around one coalesced read (one expert's projections, or the embedding), never
-    the whole path. Each tensor's bytes are checked against the base manifest's sha256.
+    the whole path. Each tensor's bytes are checked against the source manifest's sha256.
     """
     start = time.perf_counter()
     record = read_path(run, path_id)
     _, family, config = run_plan(run)
-    tensors, header_bytes = base_tensors(run)
-    hashes = read_manifest(run.store, run.base).get("tensors", {})
+    source = source or run.base
+    tensors, header_bytes = base_tensors(run, source)
+    hashes = read_manifest(run.store, source).get("tensors", {})
+    if source != run.base and not hashes:
+        raise IntegrityError(f"{run.store.url_of(source)}/manifest.json holds no per-tensor sha256: a path is cut only from a checkpoint whose tensors can be checked")
     pieces = path_pieces(family, tensors, record["experts"])
     # Tensors are written in the order they lie in base/ (safetensors needs contiguous offsets,
     # not sorted names), so the planned reads stream straight into the output, a few chunks in
@@ -133,7 +138,7 @@ def materialize(run: Run, path_id: str, out_dir: str) -> dict[str, Any]:
     fills = path_fills(family, tensors, record["experts"])
     order += [t for t, _ in fills]
     plan = read_plan([p.source for p in pieces])
-    checker = _Checker(run, pieces, hashes, plan)
+    checker = _Checker(run, pieces, hashes, plan, source)
     chunks = itertools.chain((checker.feed(c) for c in read_ranges(run.store, plan, checker.on_read)), (data for _, data in fills))
     os.makedirs(out_dir, exist_ok=True)
     tmp = os.path.join(out_dir, f".{WEIGHTS}.partial")
@@ -149,7 +154,7 @@ def materialize(run: Run, path_id: str, out_dir: str) -> dict[str, Any]:
     dense_cfg["dtype"] = config.get("dtype", "float32")
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(dense_cfg, f, indent=2, sort_keys=True)
-    download(run.store, run.base, out_dir, lambda n: n if n == "generation_config.json" else None)
+    download(run.store, source, out_dir, lambda n: n if n == "generation_config.json" else None)
     download(run.store, run.tokenizer, out_dir)
     with open(os.path.join(out_dir, "path.json"), "w") as f:
         json.dump({**record, "form": family.path_form}, f, indent=2, sort_keys=True)
@@ -164,15 +169,15 @@ def materialize(run: Run, path_id: str, out_dir: str) -> dict[str, Any]:
 
 
 class _Checker:
-    """Checks each piece's sha256 against base/manifest.json as its bytes stream past.
+    """Checks each piece's sha256 against its source manifest (base/manifest.json) as its bytes stream past.
 
     A piece that lies inside one planned read is hashed by the worker that read it (hashlib drops
     the GIL, so hashing runs beside the writes); a piece spread over several reads (the embedding)
     is hashed incrementally in order by `feed`.
     """
 
-    def __init__(self, run: Run, pieces: list[Piece], hashes: dict[str, str], plan: list[tuple[str, int, int]]):
-        self.run, self.pieces, self.hashes = run, pieces, hashes
+    def __init__(self, run: Run, pieces: list[Piece], hashes: dict[str, str], plan: list[tuple[str, int, int]], source: str):
+        self.run, self.pieces, self.hashes, self.source = run, pieces, hashes, source
         self.inside: list[list[int]] = []
         spanning = set(range(len(pieces)))
         j = 0
@@ -198,7 +203,7 @@ class _Checker:
         want = self.hashes.get(piece.check)
         if want is not None and digest != want:
             raise IntegrityError(
-                f"{self.run.store.url_of(piece.source.key)}: tensor {piece.source.name} does not match its sha256 in base/manifest.json: restore the file"
+                f"{self.run.store.url_of(piece.source.key)}: tensor {piece.source.name} does not match its sha256 in {self.source}/manifest.json: restore the file"
             )
 
     def on_read(self, c: int, data: bytes) -> None:

@@ -50,6 +50,7 @@ class TrainConfig:
     lora_targets: str = ""
     quantize_base: Literal["fp32", "int8", "nf4"] = "fp32"
     fsdp: bool = False  # shard the path over the processes (FSDP2): parameters, gradients and AdamW moments 1/N each
+    round_wait: float = 300.0  # DiLoCo rounds (`paths diloco`): seconds a worker waits for a round's outer step while other workers hold its last paths
     # --mode grpo
     group_size: int = 8
     max_new_tokens: int = 32
@@ -93,7 +94,7 @@ class TrainConfig:
         for name in ("seq_len", "batch_size", "grad_accum", "steps"):
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"{name} must be > 0, got {getattr(self, name)} (--set {name}=N or --{name.replace('_', '-')} N)")
-        for name in ("warmup_steps", "checkpoint_every", "num_workers", "weight_decay", "max_grad_norm", "min_lr_ratio"):
+        for name in ("warmup_steps", "checkpoint_every", "num_workers", "weight_decay", "max_grad_norm", "min_lr_ratio", "round_wait"):
             if getattr(self, name) < 0:
                 raise ConfigurationError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.keep_checkpoints < 1:

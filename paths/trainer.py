@@ -252,6 +252,7 @@ class Trainer:
         self.plain: torch.nn.Module | None = None  # FSDP: the whole model on rank 0, gathered to commit
         self.optimizer = make_optimizer(model, cfg)
         self.step, self.tokens, self.loss = 0, 0, None
+        self.saved_at = -1  # the step of the newest checkpoint committed or resumed from
         self.metrics: list[dict[str, Any]] = []
         self.main = acc.is_main_process
 
@@ -297,7 +298,7 @@ class Trainer:
             bar.set_postfix(loss=f"{self.loss:.3f}", tok_s=f"{rate:,.0f}", **{k: v for cb in self.callbacks for k, v in cb.postfix().items()})
             due = (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or ranks_agree(acc, time.time() - last_ckpt_time > cfg.checkpoint_minutes * 60, "any")
             between = self.step % multiple == 0  # grpo: not inside a rollout's iterations
-            if due and between and self.step < cfg.steps:
+            if due and between and self.step < cfg.steps and self.saved_at != self.step:
                 self.save_checkpoint()
                 last_ckpt_time = time.time()
             if self.stop.lost is not None or (self.stop.signal is not None and between):
@@ -324,7 +325,7 @@ class Trainer:
             data, rng = _resharded(data, self.acc.num_processes, rank, f"checkpoint {start} of {self.unit}"), rng[0] if isinstance(rng, list) else rng
         self.batches.load_state_dict(data[rank] if isinstance(data, list) else data)
         set_rng_state(rng[rank] if isinstance(rng, list) else rng)  # one state per rank under DDP
-        self.step, self.tokens, self.loss = start, state["tokens"], state["loss"]
+        self.step, self.tokens, self.loss, self.saved_at = start, state["tokens"], state["loss"], start
         saved = checkpoint.read_file(self.run, self.unit, start, "metrics.jsonl")  # the checkpoint's own: a kill after COMMITTED loses none
         metrics = [json.loads(line) for line in saved.decode().splitlines() if line.strip()] if saved is not None else read_metrics(self.run, self.unit)
         self.metrics = [m for m in metrics if m["step"] <= start]
@@ -366,6 +367,7 @@ class Trainer:
             except Exception as exc:  # a lost lease, the store: every rank stops, not rank 0 alone
                 failed = exc
         self._agree(failed, f"checkpoint {self.step}")
+        self.saved_at = self.step
 
     def write_metrics(self) -> None:
         """work/<unit>/metrics.jsonl: one JSON line per optimizer step, resumed runs included."""
@@ -429,7 +431,8 @@ class Trainer:
         if flags[0]:
             raise self.stop.lost or LeaseLost("rank 0 lost the lease: stopping without writing")
         if flags[1] and save:
-            self.save_checkpoint()
+            if self.saved_at != self.step:  # (a DiLoCo round's end committed this step already)
+                self.save_checkpoint()
             name = signal.Signals(self.stop.signal or signal.SIGTERM).name
             if self.main:
                 for cb in self.callbacks:

@@ -6,12 +6,15 @@ window[1:]), so every token is a target exactly once per epoch; the last window 
 how many of its tokens are real (`valid`).
 
 Order and split. Windows are grouped in blocks of about one zarr chunk. Each epoch permutes the
-blocks, then the windows inside each block (seeded by seed and epoch), giving one global sequence;
-rank r of W takes every W-th window of it, and its DataLoader workers take whole batches of that in
+blocks, takes them MIX at a time and permutes the windows of those MIX blocks together (seeded by
+seed and epoch), giving one global sequence: a shard of up to MIX chunks (8M tokens) is shuffled
+whole, and a larger one never reads one chunk's documents in a row (a shard written input by input,
+one domain after another, is not read as a curriculum); rank r of W takes every W-th window of it, and its DataLoader workers take whole batches of that in
 turn, so a DataLoader's output equals the rank's sequence whatever the number of workers. A
 position (windows the rank has consumed) is all the state there is: `state_dict()` /
-`load_state_dict()` resume mid-epoch exactly. Blocks are read ahead by a small thread pool
-(`prefetch`), which hides object-store latency.
+`load_state_dict()` resume mid-epoch exactly. The blocks of the next groups are read ahead by a
+small thread pool (`prefetch` groups), which hides object-store latency; memory holds about
+(prefetch + 1) x MIX chunks (4 MiB each).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import torch
 from paths.errors import ConfigurationError, IntegrityError, NotFound, PathsError
 from sharding.writer import array_names
 from storage.layout import Run, open_run
+
+MIX = 8  # blocks (about a zarr chunk each) whose windows an epoch shuffles together
 from storage.manifest import read_manifest
 
 T = TypeVar("T")
@@ -178,23 +183,35 @@ class PathDataset(torch.utils.data.IterableDataset):
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """This rank's window ids for one epoch, in order."""
-        n = self.num_windows
-        if not self.shuffle:
-            order = np.arange(n)
-        else:
-            rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
-            blocks = rng.permutation(-(-n // self.block)) if n else np.zeros(0, np.int64)
-            order = np.concatenate([b * self.block + rng.permutation(min(self.block, n - b * self.block)) for b in blocks]) if n else np.zeros(0, np.int64)
-        return order[self.rank :: self.world_size]
+        return self._epoch(epoch)[0]
 
-    def positions(self, worker: int, workers: int) -> Iterator[tuple[int, int]]:
-        """(position, window id) of this worker's share, from the current position on."""
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(this rank's window ids for one epoch, the group each is read in: its block, or with
+        shuffling, its MIX blocks)."""
+        n = self.num_windows
+        if not self.shuffle or n == 0:
+            order = np.arange(n)
+            return order[self.rank :: self.world_size], (order // self.block)[self.rank :: self.world_size]
+        rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
+        blocks = rng.permutation(-(-n // self.block))
+        if self.block == 1:  # records, not token windows: one permutation of them all
+            order, groups = blocks, blocks
+        else:
+            parts = [np.concatenate([b * self.block + np.arange(min(self.block, n - b * self.block)) for b in blocks[i : i + MIX]]) for i in range(0, len(blocks), MIX)]
+            order = np.concatenate([part[rng.permutation(len(part))] for part in parts])
+            groups = np.concatenate([np.full(len(part), g) for g, part in enumerate(parts)])
+        return order[self.rank :: self.world_size], groups[self.rank :: self.world_size]
+
+    def positions(self, worker: int, workers: int) -> Iterator[tuple[int, int, tuple[int, int]]]:
+        """(position, window id, (epoch, the group it is read in)) of this worker's share, from
+        the current position on."""
         per_epoch = self.rank_windows()
         if per_epoch == 0:
             return
         end = None if self.epochs is None else self.epochs * per_epoch
         start, b = self.position, self.batch_size
-        epoch, order = -1, None
+        epoch, order, groups = -1, None, None
+        own = type(self).epoch_order is not PathDataset.epoch_order  # a subclass that orders its records itself
         j = worker
         while True:
             for q in range(start + j * b, start + (j + 1) * b):
@@ -202,8 +219,12 @@ class PathDataset(torch.utils.data.IterableDataset):
                     return
                 e, i = divmod(q, per_epoch)
                 if e != epoch:
-                    epoch, order = e, self.epoch_order(e)
-                yield q, int(order[i])
+                    epoch = e
+                    order, groups = self._epoch(e)
+                    if own:
+                        order = self.epoch_order(e)
+                        groups = order // self.block
+                yield q, int(order[i]), (e, int(groups[i]))
             j += workers
 
     # -- reading -------------------------------------------------------------------------------
@@ -231,19 +252,20 @@ class PathDataset(torch.utils.data.IterableDataset):
         self._group = None  # each worker process opens its own handles:
         if info is not None and self.run.store.protocol != "file":  # s3fs clients are not fork-safe
             self.run = open_run(self.run.url, self.run.store.options)
-        runs = _runs(self.positions(worker, workers), self.block)
+        spans = _spans(self.positions(worker, workers), self.block)
         pending: deque = deque()
         with ThreadPoolExecutor(self.prefetch) as pool:
             for _ in range(self.prefetch):
-                _submit(pool, runs, pending, self._read_block)
+                _submit(pool, spans, pending, self._read_block, self.block)
             while pending:
-                block, items, future = pending.popleft()
-                _submit(pool, runs, pending, self._read_block)
-                tokens = future.result()
+                items, reads = pending.popleft()
+                _submit(pool, spans, pending, self._read_block, self.block)
+                tokens = {b: f.result() for b, f in reads.items()}
                 for q, w in items:
                     if info is None:
                         self.position = q + 1
-                    yield self.window(tokens, block, w)
+                    b = w // self.block
+                    yield self.window(tokens[b], b, w)
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self, position: int | None = None) -> dict[str, Any]:
@@ -265,23 +287,22 @@ class PathDataset(torch.utils.data.IterableDataset):
         self.position = int(state["position"])
 
 
-def _runs(positions: Iterator[tuple[int, int]], block: int) -> Iterator[tuple[int, list[tuple[int, int]]]]:
-    """Group consecutive positions that fall in the same block: (block, [(position, window)]),
-    at most `block` of them (a small dataset's one block recurs every epoch, forever)."""
+def _spans(positions: Iterator[tuple[int, int, Any]], block: int) -> Iterator[list[tuple[int, int]]]:
+    """Consecutive positions read in the same group (one block, or MIX blocks shuffled together):
+    [(position, window)], at most a group's windows."""
     current, items = None, []
-    for q, w in positions:
-        b = w // block
-        if items and (b != current or len(items) >= block):
-            yield current, items
+    for q, w, group in positions:
+        if items and (group != current or len(items) >= MIX * block):
+            yield items
             items = []
-        current = b
+        current = group
         items.append((q, w))
     if items:
-        yield current, items
+        yield items
 
 
-def _submit(pool: ThreadPoolExecutor, runs: Any, pending: deque, read: Callable[[], Any]) -> None:
-    nxt = next(runs, None)
-    if nxt is not None:
-        block, items = nxt
-        pending.append((block, items, pool.submit(read, block)))
+def _submit(pool: ThreadPoolExecutor, spans: Any, pending: deque, read: Callable[[int], Any], block: int) -> None:
+    """Start reading the blocks of the next span, each once."""
+    items = next(spans, None)
+    if items is not None:
+        pending.append((items, {b: pool.submit(read, b) for b in dict.fromkeys(w // block for _, w in items)}))

@@ -56,9 +56,14 @@ class LeaseLost(PathsError):
 
 
 class NothingToClaim(PathsError):
-    """No path is left to claim."""
+    """No path is left to claim (`waiting`: how many wait for a DiLoCo round's outer step, and
+    will be claimable once it is computed)."""
 
     exit_code = 3
+
+    def __init__(self, message: str, waiting: int = 0):
+        super().__init__(message)
+        self.waiting = waiting
 
 
 def no_space(where: str) -> StorageError:

@@ -8,7 +8,8 @@ router/<name>/               a routing model
 data/<dataset>/manifest.json data/<dataset>/<path>.zarr
 claims/<path>.json           leases (conditional writes only)
 work/<path>/ckpt-<step>/     checkpoints (committed once COMMITTED exists); work/<path>/final/
-composed/<name>/             composed checkpoints
+composed/<name>/             composed checkpoints (composed/round-<r>/: a DiLoCo round's outer step)
+diloco/r<r>/<path>/          a path's weights at the end of DiLoCo round r; diloco/r<r>/outer.json
 policy/<path>/v<N>/          policy versions an asynchronous trainer publishes; policy/<path>/latest.json
 rollouts/<path>/batches/<worker>/<batch>.safetensors   rollout batches (create-only); rollouts/<path>/rejected/
 ```
@@ -122,6 +123,12 @@ class Run:
     def allowlist(self) -> str:
         """workers/allowlist.json: the rollout workers' public keys the run's owner admitted."""
         return "workers/allowlist.json"
+
+    def diloco(self, round_: int, path_id: str | None = None) -> str:
+        """diloco/r<r>/ (a DiLoCo round), or diloco/r<r>/<path>/: the path's weights at its end."""
+        if round_ < 1:
+            raise ConfigurationError(f"DiLoCo rounds count from 1, got {round_}")
+        return f"diloco/r{round_}" + (f"/{validate_name('path', path_id)}" if path_id else "")
 
     def composed(self, name: str) -> str:
         """composed/<name>/"""

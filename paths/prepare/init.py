@@ -30,15 +30,17 @@ MODEL_FILES = ("config.json", "generation_config.json")
 MAX_SHARD = "1GB"
 
 
-def _hash_tensors(local_dir: str, family: Family, num_experts: int) -> dict[str, str]:
+def hash_tensors(local_dir: str, family: Family, num_experts: int) -> dict[str, str]:
     """sha256 of every tensor's bytes; fused expert tensors also per expert slice ('name[e]'), and
     routers per row where a path keeps its expert's row (a "moe" path)."""
     from storage.url import open_store
 
     store = open_store(local_dir)
     out = {}
+    from paths.base import NOT_WEIGHTS
+
     for fname in sorted(os.listdir(local_dir)):
-        if not fname.endswith(".safetensors"):
+        if not fname.endswith(".safetensors") or fname in NOT_WEIGHTS:
             continue
         tensors, _, _ = read_header(store, fname)
         with open(os.path.join(local_dir, fname), "rb") as f:
@@ -62,7 +64,7 @@ def write_base(run: Run, local_dir: str, family: Family, source: str) -> dict[st
     writer = ArtifactWriter(run.store, run.base)
     for fname in names:
         writer.upload(fname, os.path.join(local_dir, fname))
-    tensors = _hash_tensors(local_dir, family, family.num_experts(config))
+    tensors = hash_tensors(local_dir, family, family.num_experts(config))
     manifest = writer.commit(kind="base", family=family.name, source=source, tensors=tensors)
     return {
         "family": family.name,

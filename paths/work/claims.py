@@ -6,6 +6,7 @@ A path's record `claims/<path>.json` moves through states:
                                    |  ^                --fail--> failed
                renew: If-Match --- +  | takeover of an expired lease: If-Match, generation + 1
     claimed --release (admin) / handoff on SIGTERM--> open --claim: If-Match--> claimed
+    claimed --a DiLoCo round ends, others not in--> waiting (round r) --claim once composed/round-<r>/ exists--> claimed
 
 Every change is a compare-and-swap on the record's etag, so of two writers exactly one wins; a
 holder whose renewal is refused (412) has lost the lease and must stop writing (fencing).
@@ -27,7 +28,7 @@ from typing import Any, Callable
 from paths.errors import ConfigurationError, DataError, LeaseLost, NothingToClaim, NotFound, PathsError, PreconditionFailed
 from storage.layout import Run
 
-STATES = ("claimed", "done", "failed", "open")
+STATES = ("claimed", "done", "failed", "open", "waiting")
 MIN_TTL = 5.0  # seconds: `paths train` takes about 1 s from start to its first renewal, then renews every ttl/3
 PROBES = 4  # records read one by one before one listing of claims/ (a listing costs about 8 reads)
 HISTORY = 32  # tenures kept in a claim record's history
@@ -119,24 +120,47 @@ def takeover_at(record: dict[str, Any], rng: random.Random) -> float:
     return float(record.get("expires_at", 0)) + min(30.0, rng.uniform(*GRACE) * float(record.get("ttl", 0) or 0))
 
 
-def claimable(record: dict[str, Any] | None, now: float) -> bool:
-    """Nobody claimed it, it was released, or its holder's lease expired."""
+def claimable(record: dict[str, Any] | None, now: float, ready: Callable[[int], bool] | None = None) -> bool:
+    """Nobody claimed it, it was released, its holder's lease expired, or (DiLoCo) the round it
+    waits for has its outer step (`ready(round)`)."""
     if record is None:
         return True
     state = record.get("state")
+    if state == "waiting":
+        return ready is not None and ready(int(record.get("round", 0)))
     return state == "open" or (state == "claimed" and float(record.get("expires_at", 0)) < now)
 
 
-def claim(run: Run, paths: list[str], *, ttl: float = 600, worker: str | None = None, rng: random.Random | None = None) -> Lease:
+def claim(run: Run, paths: list[str], *, ttl: float = 600, worker: str | None = None, rng: random.Random | None = None, wait: float = 0.0) -> Lease:
     """Claim one of `paths`: the first claimable one in a random order (so racing workers rarely
     collide), by create-only put or by takeover of an expired / released record. Round trips: the
     first try is a create-only put alone; then a read and a conditional put per path; past PROBES
-    tries, one listing of claims/, and a create-only put straight away where it shows no record."""
+    tries, one listing of claims/, and a create-only put straight away where it shows no record.
+    `wait`: seconds to keep trying while paths wait for a DiLoCo round's outer step."""
     if ttl <= 0:
         raise ConfigurationError(f"--ttl must be > 0 seconds, got {ttl}")
     worker = worker or default_worker()
     rng = rng or random.Random()
+    deadline = time.time() + wait
+    while True:
+        try:
+            return _claim(run, paths, ttl, worker, rng)
+        except NothingToClaim as nothing:
+            if not nothing.waiting or time.time() >= deadline:
+                raise
+        time.sleep(min(5.0, max(0.0, deadline - time.time())))
+
+
+def _claim(run: Run, paths: list[str], ttl: float, worker: str, rng: random.Random) -> Lease:
     order = rng.sample(paths, len(paths))  # each worker its own order: no clusters of held paths to walk past
+    outer: dict[int, bool] = {}
+
+    def ready(r: int) -> bool:  # a DiLoCo round's outer step is there (looked up once per claim)
+        if r not in outer:
+            outer[r] = r >= 1 and run.store.exists(f"{run.composed(f'round-{r}')}/manifest.json")
+        return outer[r]
+
+    waiting = 0
     recorded: set[str] | None = None  # paths with a claim record, once listed
     i = 0
     while i < len(order):
@@ -148,7 +172,8 @@ def claim(run: Run, paths: list[str], *, ttl: float = 600, worker: str | None = 
         i += 1
         record, etag = (None, None) if guess or (recorded is not None and path not in recorded) else read_claim(run, path)
         now = time.time()
-        if not claimable(record, now) or (record is not None and record.get("state") == "claimed" and now < takeover_at(record, rng)):
+        if not claimable(record, now, ready) or (record is not None and record.get("state") == "claimed" and now < takeover_at(record, rng)):
+            waiting += record is not None and record.get("state") == "waiting"
             continue
         new = {
             "path": path, "state": "claimed", "worker": worker, "ttl": ttl,
@@ -171,6 +196,9 @@ def claim(run: Run, paths: list[str], *, ttl: float = 600, worker: str | None = 
                 order.append(path)  # it has a record after all: read it in its turn (it may be expired or open)
             continue  # another worker won this one: try the next
         return Lease(run, path, worker, ttl, new_etag, new)
+    if waiting:
+        raise NothingToClaim(f"nothing to claim in {run.url} now: {waiting} paths wait for a DiLoCo round's outer step, which the worker of the round's last path computes; "
+                             "claim again in a while (`paths claim --wait SECONDS`)", waiting=waiting)
     raise NothingToClaim(f"nothing to claim in {run.url}: every path is done, failed or held by a live lease")
 
 
@@ -180,7 +208,7 @@ def history(record: dict[str, Any], now: float) -> list[dict[str, Any]]:
     past = [t for t in record.get("history", []) if isinstance(t, dict)]
     if record.get("worker") and record.get("claimed_at") is not None:
         state = record.get("state")
-        ended = {"claimed": "expired", "open": "released" if record.get("released_at") else "handed back"}.get(state, state)
+        ended = {"claimed": "expired", "open": "released" if record.get("released_at") else "handed back", "waiting": f"round {record.get('round')} done"}.get(state, state)
         until = record.get("released_at") or record.get("finished_at") or min(float(record.get("expires_at", now)), now)
         past.append({"worker": record["worker"], "generation": record.get("generation"), "from": record["claimed_at"], "until": until, "ended": ended, "step": record.get("step")})
     return past[-HISTORY:]

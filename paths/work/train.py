@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
 
@@ -32,13 +32,12 @@ from paths.train_config import TrainConfig
 from paths.tracking import accelerator
 from paths.trainer import Callback, Signals, Trainer
 from paths.units import data_id, is_expert
+from paths.work import diloco
 from paths.work.claims import Heartbeat, Lease, keep_alive
 from storage.layout import Run
 from storage.manifest import ArtifactWriter, sha256_hex
 
 if TYPE_CHECKING:
-    from typing import Callable
-
     from paths.families import Family
 
 Mode = Literal["lm", "sft", "grpo"]
@@ -83,6 +82,12 @@ class LeaseKeeper(Callback):
         with self._lock():
             self.lease.finish("done", step=trainer.step, tokens=trainer.tokens, loss=trainer.loss)
 
+    def hand_back(self, state: str, **fields: Any) -> None:
+        """End this tenure with `state` (a DiLoCo path `waiting` for its round's outer step)."""
+        self.close()
+        with self._lock():
+            self.lease.finish(state, **fields)
+
     def _lock(self) -> Any:
         return self.beat.lock if self.beat is not None else contextlib.nullcontext()
 
@@ -123,18 +128,20 @@ def train(
     rewards: list[str] | None = None,
     init: Literal["base", "final"] = "base",
     heartbeat: Heartbeat | None = None,
+    outer_step: diloco.OuterStep | None = None,
 ) -> dict[str, Any]:
     """Train a unit to cfg.steps, resuming from its newest checkpoint of this job (mode, dataset,
     freeze); returns the summary. `rewards` (grpo): `NAME[=WEIGHT]` or `module:function[=WEIGHT]`.
     `init`: start from the unit cut from base/, or from its `final/` (a stage after another).
     `heartbeat`: the lease's, already renewing (`paths train` starts it before any heavy work and
-    stops it however training ends); the trainer adopts it."""
+    stops it however training ends); the trainer adopts it. `outer_step`: a DiLoCo run's
+    (`compose.diloco.outer_step`; `compose.diloco.train` passes it), which its workers compute."""
     with torch.enable_grad():  # whatever the caller's global grad mode
-        return _train(run, path_id, mode, dataset, cfg, lease, show_progress, list(rewards or []), init, heartbeat)
+        return _train(run, path_id, mode, dataset, cfg, lease, show_progress, list(rewards or []), init, heartbeat, outer_step)
 
 
 def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, lease: Lease | None, show_progress: bool, rewards: list[str], init: str,
-           heartbeat: Heartbeat | None) -> dict[str, Any]:
+           heartbeat: Heartbeat | None, outer_step: diloco.OuterStep | None) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -157,10 +164,17 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
         raise ConfigurationError(f"dataset {dataset!r} comes from the multi-turn environment {episodes.spec.text!r}: SAPO's shared experience (external) takes single-turn batches; set external=0")
     if cfg.rollouts == "store" and mode != "grpo":
         raise ConfigurationError(f"--rollouts store feeds --mode grpo from rollout workers; --mode {mode} trains on the dataset itself")
+    rounds = diloco.settings(run)
+    if rounds is not None:
+        check_rounds(run, path_id, rounds, mode, init, cfg)
+        if outer_step is None:
+            raise ConfigurationError(f"{run.url} trains in DiLoCo rounds, whose workers compute the outer steps: train its paths with compose.diloco.train (what `paths train` runs)")
     hf_logging.disable_progress_bar()
     acc = accelerator(cfg.precision, cfg.report_to, cfg.logging_dir)
     if not acc.is_main_process:
         run.store.read_only = True  # only rank 0 writes to the run
+    if rounds is not None and acc.num_processes > 1:
+        raise ConfigurationError(f"{run.url} trains in DiLoCo rounds, one process per path: launch `paths train` without accelerate's multi-process")
     shard_id = data_id(run, path_id, dataset_manifest(run, dataset))  # a domain expert may read its domain's shard
     manifest, entry = path_entry(run, dataset, shard_id)
     if mode == "lm" and entry["train_tokens"] < 2:
@@ -235,21 +249,35 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
                     warnings.warn(f"eval_every {cfg.eval_every}: dataset {dataset!r} holds no held-out prompts for {shard_id} (shard with --holdout > 0): no held-out reward", stacklevel=2)
                 elif acc.is_main_process:
                     extra.append(HeldoutReward(heldout, reward_fns, tokenizer, cfg.eval_every, cfg.max_new_tokens, episodes))
-        callbacks: list[Callback] = [LeaseKeeper(lease, heartbeat)] if lease is not None and acc.is_main_process else []
+        keeper = LeaseKeeper(lease, heartbeat) if lease is not None and acc.is_main_process else None
+        callbacks: list[Callback] = [keeper] if keeper is not None else []
+        if rounds is not None:
+            callbacks.append(diloco.RoundSync(run, path_id, rounds, outer_step, keeper, cfg.round_wait))
         callbacks += extra
         trainer = Trainer(
             run, path_id, job, cfg, model, step,
             batches or ShardBatches(data, cfg.batch_size, cfg.seed, cfg.num_workers), acc,
             callbacks=[*callbacks, Signals()], show_progress=show_progress, resume_hint="`paths claim && paths train` (the path was handed back)",
         )
-        result = trainer.fit()
+        try:
+            result = trainer.fit()
+        except diloco.RoundPending as pending:
+            return {"path": path_id, "mode": mode, "steps": trainer.step, "tokens": trainer.tokens, "waiting": str(pending)}
         summary = {"path": path_id, "mode": mode, "freeze": cfg.freeze, "steps": result.step, "tokens": result.tokens, "final_loss": result.loss, "resumed_from": result.resumed_from, "init": init,
                    **summary_extra}
         # anchored: every shared tensor is still the base's (this stage froze them, and so did the one before)
         summary["anchored"] = cfg.freeze == "shared" and (previous_stage is None or bool(previous_stage.get("anchored")))
         if previous_stage is not None:
             summary["previous_stage"] = previous_stage
-        final = trainer.finish(lambda fence: _write_final(run, path_id, trainer.unwrapped, tokenizer, local, cfg, mode, dataset, manifest, summary, fence, lora))
+        def commit(fence: Callable[[], None]) -> str:
+            out = _write_final(run, path_id, trainer.unwrapped, tokenizer, local, cfg, mode, dataset, manifest, summary, fence, lora)
+            if rounds is not None:  # the last round's end: published, and the run's composed model if this path was the last one in
+                outer = diloco.finish_round(run, path_id, rounds, outer_step, trainer.unwrapped, fence, keeper.lease.worker if keeper else "local",
+                                            step=trainer.step, tokens=trainer.tokens, loss=trainer.loss)
+                summary["round"] = {"round": rounds.rounds, "outer_step": outer}
+            return out
+
+        final = trainer.finish(commit)
         if final is not None:
             summary["final"] = final
         return summary
@@ -291,11 +319,26 @@ def _write_final(run: Run, path_id: str, model: torch.nn.Module, tokenizer: Any,
     return run.store.url_of(run.final(path_id))
 
 
+def check_rounds(run: Run, path_id: str, rounds: diloco.Rounds, mode: str, init: str, cfg: TrainConfig) -> None:
+    """What a path of a DiLoCo run may train with: lm or sft from base/, every parameter, one process, R x H steps."""
+    if path_id not in rounds.paths:
+        raise ConfigurationError(f"{path_id} is not one of the {len(rounds.paths)} paths of {run.url}'s DiLoCo rounds: train it in a run without rounds")
+    if mode == "grpo" or init != "base":
+        raise ConfigurationError(f"{run.url} trains in DiLoCo rounds, which run --mode lm or sft from base/: train grpo (or --init final) in a run without rounds")
+    if cfg.lora_rank or cfg.fsdp or cfg.freeze != "none":
+        raise ConfigurationError(f"{run.url} trains in DiLoCo rounds, whose outer step averages every parameter of full, unsharded paths: drop --lora, --fsdp and --freeze")
+    if cfg.steps != rounds.total:
+        raise ConfigurationError(f"{run.url} trains {rounds.rounds} DiLoCo rounds of {rounds.every} steps: train with --steps {rounds.total} (or leave --steps out)")
+
+
 def unit_config(run: Run, unit: str, cfg: TrainConfig, steps_given: bool) -> TrainConfig:
     """The config a unit trains with: a domain expert runs its own step budget unless --steps was given."""
     import dataclasses
 
     from paths.units import step_budget
 
+    rounds = diloco.settings(run)
+    if rounds is not None and not steps_given:  # R rounds of H inner steps
+        return dataclasses.replace(cfg, steps=rounds.total)
     budget = None if steps_given else step_budget(run, unit)
     return dataclasses.replace(cfg, steps=budget) if budget else cfg

@@ -83,6 +83,28 @@ def test_shuffle_depends_on_seed_and_epoch(dataset):
     assert sorted(ds.epoch_order(0)) == list(range(ds.num_windows))
 
 
+def test_an_epoch_shuffles_windows_of_several_chunks_together(run2, corpus):
+    """A shard written input by input holds one domain's documents chunk after chunk: no stretch
+    of an epoch may read one chunk alone (a curriculum by input), yet each window comes once."""
+    from sharding.dataset import MIX
+
+    manifest = shard(run2, ShardOptions(dataset="e", inputs=corpus, holdout=0.0, chunk_tokens=128, shard_tokens=1024))
+    path = max(manifest["paths"], key=lambda p: manifest["paths"][p]["train_tokens"])
+    ds = PathDataset(run2, "e", path, 8)  # 16 windows a chunk
+    blocks = -(-ds.num_windows // ds.block)
+    assert blocks > MIX  # more than one group: both the mixing and the grouping are exercised
+    order = ds.epoch_order(0)
+    assert sorted(order) == list(range(ds.num_windows))
+    first = {int(w) // ds.block for w in order[: ds.block]}
+    assert len(first) >= MIX // 2  # a chunk's worth of windows comes from several chunks
+    group = {int(w) // ds.block for w in order[: MIX * ds.block]}
+    assert len(group) == MIX  # and a group's windows from exactly MIX of them (read once each)
+    stream = np.concatenate(read_documents(run2, "e", path))
+    loader = torch.utils.data.DataLoader(PathDataset(run2, "e", path, 8, epochs=1, batch_size=4), batch_size=4, num_workers=2)
+    starts = window_starts(loader, stream, 8)
+    assert starts == [int(w) * 8 for w in order] and sorted(starts) == list(range(0, len(stream) - 1, 8))
+
+
 def test_corrupt_chunk_is_rejected(dataset):
     run, path = dataset
     chunk = next(o for o in run.store.list(f"data/d/{path}.zarr/tokens/c") if o.size > 100)
