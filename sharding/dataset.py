@@ -254,7 +254,8 @@ class PathDataset(torch.utils.data.IterableDataset):
             self.run = open_run(self.run.url, self.run.store.options)
         spans = _spans(self.positions(worker, workers), self.block)
         pending: deque = deque()
-        with ThreadPoolExecutor(self.prefetch) as pool:
+        pool = ThreadPoolExecutor(self.prefetch)
+        try:
             for _ in range(self.prefetch):
                 _submit(pool, spans, pending, self._read_block, self.block)
             while pending:
@@ -266,6 +267,11 @@ class PathDataset(torch.utils.data.IterableDataset):
                         self.position = q + 1
                     b = w // self.block
                     yield self.window(tokens[b], b, w)
+        finally:
+            # Never join here: an endless iterator is left unfinished and closed by the garbage
+            # collector, in whatever thread it runs, even inside another thread's start, where
+            # joining the pool's threads deadlocks.
+            pool.shutdown(wait=False, cancel_futures=True)
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self, position: int | None = None) -> dict[str, Any]:

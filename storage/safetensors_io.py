@@ -115,7 +115,8 @@ def read_ranges(
             on_read(i, data)
         return data
 
-    with ThreadPoolExecutor(max_workers=workers) as pool:
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
         pending: deque = deque()
         for i, (key, b, e) in enumerate(plan):
             pending.append(pool.submit(fetch, i, key, b, e))
@@ -123,6 +124,10 @@ def read_ranges(
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
+    finally:
+        # Never join here: a generator left unfinished is closed by the garbage collector, in
+        # whatever thread it runs, even inside another thread's start (a join there deadlocks).
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass(frozen=True, slots=True)
