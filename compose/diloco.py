@@ -15,14 +15,16 @@ second call finds it and returns it, after checking it was made from the same pa
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Any
 
-from paths.errors import IntegrityError, NotFound, PreconditionFailed
+from paths.errors import ConfigurationError, IntegrityError, NotFound, PathsError, PreconditionFailed
 from paths.work.diloco import outer_done, outer_record, published, round_start, settings
 from storage.layout import Run
+from storage.manifest import read_verified
 
-TTL = 900.0  # seconds a worker may take to compute an outer step before another may take it over
+TTL = 120.0  # seconds the outer step's lock lasts; renewed every TTL/3 while computing, so only a dead holder loses it
 
 
 def train(run: Run, path_id: str, mode: str, dataset: str, cfg: Any, lease: Any, **options: Any) -> dict[str, Any]:
@@ -54,14 +56,34 @@ def outer_step(run: Run, r: int, worker: str = "local", ttl: float = TTL) -> dic
     lock = Lock(run, r, worker, ttl)
     if not lock.take():
         return _agreed(run, r, computed=False) if outer_done(run, r) else None
-    plan = plan_compose(run, f"round-{r}", paths=list(spec.paths), outer_lr=spec.outer_lr, momentum=spec.momentum,
-                        previous=f"round-{r - 1}" if r > 1 and spec.momentum > 0 else None, base=round_start(run, r), weights=lambda p: run.diloco(r, p))
+    if outer_done(run, r):  # installed by the holder whose lock we just took over as it finished
+        lock.release()
+        return _agreed(run, r, computed=False)
+    keep = threading.Event()
+    beat = threading.Thread(target=lock.keep, args=(keep,), daemon=True, name="paths-outer-lock")
+    beat.start()  # renewed while computing: a slow computation is not taken over, a dead one is
     try:
+        plan = plan_compose(run, f"round-{r}", paths=list(spec.paths), outer_lr=spec.outer_lr, momentum=spec.momentum,
+                            previous=f"round-{r - 1}" if r > 1 and spec.momentum > 0 else None, base=round_start(run, r), weights=lambda p: run.diloco(r, p),
+                            dtype=None if _float32(run) else "float32")  # rounds in fp32: a bf16 base would round every outer step away
         execute(run, plan, fence=lock.renew, tensor_hashes=True)
-    except PreconditionFailed:  # the lock expired and was taken over, or its new holder installed first
-        return _agreed(run, r, computed=False) if outer_done(run, r) else None
+    except (PreconditionFailed, ConfigurationError) as exc:  # the lock was taken over, or its new holder installed first
+        if outer_done(run, r):
+            return _agreed(run, r, computed=False)
+        if isinstance(exc, PreconditionFailed):
+            return None  # the lock's new holder computes it
+        raise
+    finally:
+        keep.set()
+        beat.join()
     lock.release()
     return _agreed(run, r, computed=True)
+
+
+def _float32(run: Run) -> bool:
+    """Whether the base's weights are float32 (its config's dtype)."""
+    config = json.loads(read_verified(run.store, run.base, "config.json"))
+    return str(config.get("dtype") or config.get("torch_dtype") or "float32") == "float32"
 
 
 def _agreed(run: Run, r: int, computed: bool) -> dict[str, Any]:
@@ -85,6 +107,7 @@ class Lock:
 
     def __init__(self, run: Run, r: int, worker: str, ttl: float):
         self.run, self.r, self.worker, self.ttl = run, r, worker, ttl
+        self._lock = threading.Lock()
         self.key = f"{run.diloco(r)}/outer.json"
         self.etag: str | None = None
         self.generation = 0
@@ -120,11 +143,33 @@ class Lock:
             return False
         return True
 
+    lost: Exception | None = None
+
     def renew(self) -> None:
-        """Right before the install: raises PreconditionFailed if another worker took it over."""
-        self.etag = self.run.store.put_if_match(self.key, self._record("computing"), self.etag)
+        """Right before the install (and every ttl/3 meanwhile): raises PreconditionFailed if
+        another worker took it over."""
+        if self.lost is not None:
+            raise self.lost
+        with self._lock:
+            try:
+                self.etag = self.run.store.put_if_match(self.key, self._record("computing"), self.etag)
+            except (PreconditionFailed, NotFound):
+                self.lost = PreconditionFailed(f"{self.run.store.url_of(self.key)} was taken over by another worker: this one installs nothing")
+                raise self.lost from None
+
+    def keep(self, done: threading.Event) -> None:
+        """Renew every ttl/3 until `done` (a thread's loop; a lost lock is kept in `lost`)."""
+        while not done.wait(self.ttl / 3):
+            try:
+                self.renew()
+            except PreconditionFailed:
+                return
+            except PathsError:
+                pass  # a transient storage error: the next renewal is well before expiry
 
     def release(self) -> None:
+        if self.lost is not None:
+            return
         try:
             self.run.store.put_if_match(self.key, self._record("done"), self.etag)
         except (PreconditionFailed, NotFound):

@@ -32,6 +32,7 @@ from sharding.writer import array_names
 from storage.layout import Run, open_run
 
 MIX = 8  # blocks (about a zarr chunk each) whose windows an epoch shuffles together
+ORDER = 2  # the epoch order's version, saved with every position (1: each block's windows in a row)
 from storage.manifest import read_manifest
 
 T = TypeVar("T")
@@ -174,6 +175,7 @@ class PathDataset(torch.utils.data.IterableDataset):
         chunk = int(manifest["fingerprint"]["options"]["chunk_tokens"])
         self.block = max(1, chunk // seq_len)  # windows per block: about one chunk of tokens
         self.position = 0  # windows of this rank consumed (updated when iterated in-process)
+        self.order = ORDER
         self._group = None
 
     # -- the order -----------------------------------------------------------------------------
@@ -196,6 +198,9 @@ class PathDataset(torch.utils.data.IterableDataset):
         blocks = rng.permutation(-(-n // self.block))
         if self.block == 1:  # records, not token windows: one permutation of them all
             order, groups = blocks, blocks
+        elif self.order == 1:  # the first order: each block's windows in a row
+            order = np.concatenate([b * self.block + rng.permutation(min(self.block, n - b * self.block)) for b in blocks])
+            groups = order // self.block
         else:
             parts = [np.concatenate([b * self.block + np.arange(min(self.block, n - b * self.block)) for b in blocks[i : i + MIX]]) for i in range(0, len(blocks), MIX)]
             order = np.concatenate([part[rng.permutation(len(part))] for part in parts])
@@ -279,7 +284,7 @@ class PathDataset(torch.utils.data.IterableDataset):
         return {
             "dataset": self.dataset, "path": self.path_id, "split": self.split, "seq_len": self.seq_len,
             "seed": self.seed, "shuffle": self.shuffle, "batch_size": self.batch_size,
-            "rank": self.rank, "world_size": self.world_size, "windows": self.num_windows,
+            "rank": self.rank, "world_size": self.world_size, "windows": self.num_windows, "order": self.order,
             "position": self.position if position is None else int(position),
         }
 
@@ -290,6 +295,7 @@ class PathDataset(torch.utils.data.IterableDataset):
                 raise ConfigurationError(
                     f"saved data position has {key}={state.get(key)!r} but this dataset has {getattr(self, {'path': 'path_id'}.get(key, key))!r}: resume with the same settings"
                 )
+        self.order = int(state.get("order", 1))  # a position saved under the first order (blocks alone) resumes in it
         self.position = int(state["position"])
 
 

@@ -155,9 +155,9 @@ def _claim(run: Run, paths: list[str], ttl: float, worker: str, rng: random.Rand
     order = rng.sample(paths, len(paths))  # each worker its own order: no clusters of held paths to walk past
     outer: dict[int, bool] = {}
 
-    def ready(r: int) -> bool:  # a DiLoCo round's outer step is there (looked up once per claim)
+    def ready(r: int) -> bool:  # a DiLoCo round's outer step is there, or nobody is computing it (looked up once per claim)
         if r not in outer:
-            outer[r] = r >= 1 and run.store.exists(f"{run.composed(f'round-{r}')}/manifest.json")
+            outer[r] = r >= 1 and (run.store.exists(f"{run.composed(f'round-{r}')}/manifest.json") or round_stalled(run, r))
         return outer[r]
 
     waiting = 0
@@ -200,6 +200,27 @@ def _claim(run: Run, paths: list[str], ttl: float, worker: str, rng: random.Rand
         raise NothingToClaim(f"nothing to claim in {run.url} now: {waiting} paths wait for a DiLoCo round's outer step, which the worker of the round's last path computes; "
                              "claim again in a while (`paths claim --wait SECONDS`)", waiting=waiting)
     raise NothingToClaim(f"nothing to claim in {run.url}: every path is done, failed or held by a live lease")
+
+
+def round_published(run: Run, r: int) -> set[str]:
+    """Paths whose weights at the end of DiLoCo round r are committed (diloco/r<r>/<path>/manifest.json), one listing."""
+    prefix = run.diloco(r) + "/"
+    return {o.key[len(prefix):].split("/")[0] for o in run.store.list(run.diloco(r)) if o.key.endswith("/manifest.json") and o.key.count("/") == 3}
+
+
+def round_stalled(run: Run, r: int) -> bool:
+    """Every path of DiLoCo round r is in, yet nobody holds a live lock on its outer step (its
+    worker died computing it): a path waiting for it is claimable, and whoever claims it computes it."""
+    spec = run.read_meta().get("diloco") or {}
+    if not spec or not set(spec.get("paths", [])) <= round_published(run, r):
+        return False
+    try:
+        lock = json.loads(run.store.read(f"{run.diloco(r)}/outer.json"))
+    except NotFound:
+        return True
+    except ValueError:
+        return True
+    return lock.get("state") != "computing" or float(lock.get("expires_at", 0)) < time.time()
 
 
 def history(record: dict[str, Any], now: float) -> list[dict[str, Any]]:

@@ -7,8 +7,10 @@ and schedule kept, as DiLoCo's workers keep their inner optimizers.
                         round's start (compose/diloco.py), each module averaged over the paths sharing it
     then every path:    its slice of composed/round-<r>/ becomes its weights; round r + 1 goes on
 
-No coordinator: whoever publishes a round's last path computes the outer step, behind a
-conditional write (diloco/r<r>/outer.json) so two who race compute it once and agree. The outer
+No coordinator: once every path is in, a worker of the round (whoever publishes the last path,
+or one still waiting) computes the outer step, behind a lock written with conditional writes
+(diloco/r<r>/outer.json, renewed while computing) so two who race compute it once; if its holder
+dies, the lock expires and the paths waiting for the round become claimable again. The outer
 step is compose's (compose/diloco.py); a trainer gets it from its caller (`compose.diloco.train`,
 which `paths train` runs), as this layer does not import compose. A worker whose
 round is not complete waits while other workers hold the missing paths (`round_wait`), and hands
@@ -96,6 +98,12 @@ def configure(run: Run, rounds: int, every: int, outer_lr: float = 0.7, momentum
     if len(ids) < 2:
         raise ConfigurationError(f"{run.url} has {len(ids)} decomposed path: a round's outer step averages the modules paths share, which needs 2 or more "
                                  f"(`paths decompose {run.url} --levels G --paths all`)")
+    from paths.base import base_config
+
+    config = base_config(run)
+    if str(config.get("dtype") or config.get("torch_dtype") or "float32") != "float32" and any(f.endswith(".index.json") for f in read_manifest(run.store, run.base)["files"]):
+        raise ConfigurationError(f"{run.url}'s base is {config.get('dtype') or config.get('torch_dtype')} in several files: rounds keep their outer steps in float32, "
+                                 "which a sharded base cannot be composed into yet; upcycle or init the base in float32")
     started = [o.key for o in run.store.list("claims")] + [o.key for o in run.store.list("work")]
     if started:
         raise ConfigurationError(f"{run.url} is already being trained ({started[0]}): set rounds up before the first claim, or in a new run")
@@ -115,8 +123,9 @@ def outer_done(run: Run, r: int) -> bool:
 
 def published(run: Run, r: int) -> set[str]:
     """Paths whose weights at the end of round r are committed (diloco/r<r>/<path>/manifest.json), one listing."""
-    prefix = run.diloco(r) + "/"
-    return {o.key[len(prefix):].split("/")[0] for o in run.store.list(run.diloco(r)) if o.key.endswith("/manifest.json") and o.key.count("/") == 3}
+    from paths.work.claims import round_published
+
+    return round_published(run, r)
 
 
 def publish(run: Run, r: int, path_id: str, weights: dict[str, torch.Tensor], fence: Callable[[], None], **record: Any) -> bool:

@@ -257,7 +257,7 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
         trainer = Trainer(
             run, path_id, job, cfg, model, step,
             batches or ShardBatches(data, cfg.batch_size, cfg.seed, cfg.num_workers), acc,
-            callbacks=[*callbacks, Signals()], show_progress=show_progress, resume_hint="`paths claim && paths train` (the path was handed back)",
+            callbacks=[Signals(), *callbacks], show_progress=show_progress, resume_hint="`paths claim && paths train` (the path was handed back)",  # signals first: a round's end may wait in `started`
         )
         try:
             result = trainer.fit()

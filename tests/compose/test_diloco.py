@@ -240,3 +240,27 @@ def test_two_workers_wait_for_each_other_at_round_ends_and_end_as_one_worker_doe
         assert read_claim(run, p)[0]["state"] == "done"
         got, want = tensors(run, run.final(p)), tensors(reference, reference.final(p))
         assert all(torch.equal(got[k], want[k]) for k in want), p
+
+
+def test_a_round_whose_outer_step_nobody_computes_is_taken_up_by_the_next_claim(tmp_path, tokenizer_dir):
+    """Every path is in and waiting, and the worker that held the outer step's lock died: the
+    paths become claimable, and the claimer's round end computes the step."""
+    import json
+
+    run = rounds_run(str(tmp_path / "run"), tokenizer_dir, rounds=2, every=2)
+    torch.manual_seed(0)
+    for p in ("p00", "p01", "p02", "p03"):
+        folder = str(tmp_path / p)
+        materialize(run, p, folder)
+        diloco.publish(run, 1, p, st_load(open(os.path.join(folder, "model.safetensors"), "rb").read()), lambda: None, step=2)
+        lease = claim(run, [p], ttl=60)
+        lease.finish("waiting", round=1, step=2)
+    held = {"round": 1, "worker": "dead", "state": "computing", "generation": 1, "expires_at": time.time() + 60}
+    run.store.write("diloco/r1/outer.json", json.dumps(held).encode())
+    with pytest.raises(NothingToClaim, match="4 paths wait for a DiLoCo round's outer step") as nothing:
+        claim(run, claimable(run), ttl=60)
+    assert nothing.value.waiting == 4
+    run.store.write("diloco/r1/outer.json", json.dumps({**held, "expires_at": time.time() - 1}).encode())
+    lease = claim(run, claimable(run), ttl=60)
+    assert lease.record["generation"] == 2
+    assert outer_step(run, 1, worker="next")["computed"] is True  # the lock expired: taken over

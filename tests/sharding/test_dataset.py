@@ -103,6 +103,10 @@ def test_an_epoch_shuffles_windows_of_several_chunks_together(run2, corpus):
     loader = torch.utils.data.DataLoader(PathDataset(run2, "e", path, 8, epochs=1, batch_size=4), batch_size=4, num_workers=2)
     starts = window_starts(loader, stream, 8)
     assert starts == [int(w) * 8 for w in order] and sorted(starts) == list(range(0, len(stream) - 1, 8))
+    old = PathDataset(run2, "e", path, 8)
+    old.load_state_dict({**{k: v for k, v in ds.state_dict().items() if k != "order"}, "position": 0})  # saved before the order had a version
+    first = old.epoch_order(0)
+    assert len({int(w) // ds.block for w in first[: ds.block]}) == 1 and sorted(first) == list(range(ds.num_windows))  # resumes in the order it was saved in
 
 
 def test_corrupt_chunk_is_rejected(dataset):
