@@ -20,9 +20,8 @@ import time
 from typing import Any
 
 from paths.errors import ConfigurationError, IntegrityError, NotFound, PathsError, PreconditionFailed
-from paths.work.diloco import outer_done, outer_record, published, round_start, settings
+from paths.work.diloco import base_float32, outer_done, outer_record, published, round_start, settings
 from storage.layout import Run
-from storage.manifest import read_verified
 
 TTL = 120.0  # seconds the outer step's lock lasts; renewed every TTL/3 while computing, so only a dead holder loses it
 
@@ -65,7 +64,7 @@ def outer_step(run: Run, r: int, worker: str = "local", ttl: float = TTL) -> dic
     try:
         plan = plan_compose(run, f"round-{r}", paths=list(spec.paths), outer_lr=spec.outer_lr, momentum=spec.momentum,
                             previous=f"round-{r - 1}" if r > 1 and spec.momentum > 0 else None, base=round_start(run, r), weights=lambda p: run.diloco(r, p),
-                            dtype=None if _float32(run) else "float32")  # rounds in fp32: a bf16 base would round every outer step away
+                            dtype=None if base_float32(run) else "float32")  # rounds in fp32: a bf16 base would round every outer step away
         execute(run, plan, fence=lock.renew, tensor_hashes=True)
     except (PreconditionFailed, ConfigurationError) as exc:  # the lock was taken over, or its new holder installed first
         if outer_done(run, r):
@@ -78,12 +77,6 @@ def outer_step(run: Run, r: int, worker: str = "local", ttl: float = TTL) -> dic
         beat.join()
     lock.release()
     return _agreed(run, r, computed=True)
-
-
-def _float32(run: Run) -> bool:
-    """Whether the base's weights are float32 (its config's dtype)."""
-    config = json.loads(read_verified(run.store, run.base, "config.json"))
-    return str(config.get("dtype") or config.get("torch_dtype") or "float32") == "float32"
 
 
 def _agreed(run: Run, r: int, computed: bool) -> dict[str, Any]:

@@ -157,7 +157,7 @@ def _claim(run: Run, paths: list[str], ttl: float, worker: str, rng: random.Rand
 
     def ready(r: int) -> bool:  # a DiLoCo round's outer step is there, or nobody is computing it (looked up once per claim)
         if r not in outer:
-            outer[r] = r >= 1 and (run.store.exists(f"{run.composed(f'round-{r}')}/manifest.json") or round_stalled(run, r))
+            outer[r] = r >= 1 and (outer_done(run, r) or round_stalled(run, r))
         return outer[r]
 
     waiting = 0
@@ -200,6 +200,11 @@ def _claim(run: Run, paths: list[str], ttl: float, worker: str, rng: random.Rand
         raise NothingToClaim(f"nothing to claim in {run.url} now: {waiting} paths wait for a DiLoCo round's outer step, which the worker of the round's last path computes; "
                              "claim again in a while (`paths claim --wait SECONDS`)", waiting=waiting)
     raise NothingToClaim(f"nothing to claim in {run.url}: every path is done, failed or held by a live lease")
+
+
+def outer_done(run: Run, r: int) -> bool:
+    """DiLoCo round r's outer step is committed (composed/round-<r>/manifest.json)."""
+    return run.store.exists(f"{run.composed(f'round-{r}')}/manifest.json")
 
 
 def round_published(run: Run, r: int) -> set[str]:

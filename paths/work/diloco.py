@@ -35,6 +35,8 @@ import torch
 
 from paths.errors import ConfigurationError, NotFound, PathsError
 from paths.trainer import Callback, Interrupted
+from paths.work.claims import outer_done, read_claim
+from paths.work.claims import round_published as published
 from storage.layout import Run
 from storage.manifest import ArtifactWriter, read_manifest, read_verified
 
@@ -76,9 +78,9 @@ class Rounds:
         return {**asdict(self), "paths": list(self.paths)}
 
 
-def settings(run: Run, meta: dict[str, Any] | None = None) -> Rounds | None:
+def settings(run: Run) -> Rounds | None:
     """The run's rounds, or None when it trains in one round (no `paths diloco`)."""
-    spec = (meta or run.read_meta()).get("diloco")
+    spec = run.read_meta().get("diloco")
     return None if spec is None else Rounds(int(spec["rounds"]), int(spec["every"]), float(spec["outer_lr"]), float(spec["momentum"]), tuple(spec["paths"]))
 
 
@@ -98,11 +100,8 @@ def configure(run: Run, rounds: int, every: int, outer_lr: float = 0.7, momentum
     if len(ids) < 2:
         raise ConfigurationError(f"{run.url} has {len(ids)} decomposed path: a round's outer step averages the modules paths share, which needs 2 or more "
                                  f"(`paths decompose {run.url} --levels G --paths all`)")
-    from paths.base import base_config
-
-    config = base_config(run)
-    if str(config.get("dtype") or config.get("torch_dtype") or "float32") != "float32" and any(f.endswith(".index.json") for f in read_manifest(run.store, run.base)["files"]):
-        raise ConfigurationError(f"{run.url}'s base is {config.get('dtype') or config.get('torch_dtype')} in several files: rounds keep their outer steps in float32, "
+    if not base_float32(run) and any(f.endswith(".index.json") for f in read_manifest(run.store, run.base)["files"]):
+        raise ConfigurationError(f"{run.url}'s base is not float32 and lies in several files: rounds keep their outer steps in float32, "
                                  "which a sharded base cannot be composed into yet; upcycle or init the base in float32")
     started = [o.key for o in run.store.list("claims")] + [o.key for o in run.store.list("work")]
     if started:
@@ -117,15 +116,12 @@ def round_start(run: Run, r: int) -> str:
     return run.base if r == 1 else run.composed(f"round-{r - 1}")
 
 
-def outer_done(run: Run, r: int) -> bool:
-    return run.store.exists(f"{run.composed(f'round-{r}')}/manifest.json")
+def base_float32(run: Run) -> bool:
+    """Whether the base's weights are float32 (its config's dtype); rounds are composed in float32."""
+    from paths.base import base_config
 
-
-def published(run: Run, r: int) -> set[str]:
-    """Paths whose weights at the end of round r are committed (diloco/r<r>/<path>/manifest.json), one listing."""
-    from paths.work.claims import round_published
-
-    return round_published(run, r)
+    config = base_config(run)
+    return str(config.get("dtype") or config.get("torch_dtype") or "float32") == "float32"
 
 
 def publish(run: Run, r: int, path_id: str, weights: dict[str, torch.Tensor], fence: Callable[[], None], **record: Any) -> bool:
@@ -148,8 +144,6 @@ def publish(run: Run, r: int, path_id: str, weights: dict[str, torch.Tensor], fe
 
 def holders(run: Run, paths: set[str]) -> dict[str, bool]:
     """{path: held by a live lease} of each of `paths`."""
-    from paths.work.claims import read_claim
-
     now, out = time.time(), {}
     for p in sorted(paths):
         record, _ = read_claim(run, p)
@@ -163,9 +157,11 @@ def await_round(run: Run, r: int, spec: Rounds, outer_step: OuterStep, timeout: 
     soon as a missing path is held by nobody (the caller should go and train it), or `stop()`."""
     deadline = time.time() + timeout
     while True:
-        if outer_done(run, r) or outer_step(run, r, worker) is not None:
+        if outer_done(run, r):
             return True
         missing = set(spec.paths) - published(run, r)
+        if not missing and outer_step(run, r, worker) is not None:  # computed here, or found made
+            return True
         if missing and not all(holders(run, missing).values()):
             return False
         if time.time() >= deadline or stop():

@@ -78,12 +78,10 @@ class LeaseKeeper(Callback):
             self.lease.finish("open", step=step, committed_step=step, handed_off_by=signal_name)
 
     def finished(self, trainer: Trainer) -> None:
-        self.close()
-        with self._lock():
-            self.lease.finish("done", step=trainer.step, tokens=trainer.tokens, loss=trainer.loss)
+        self.hand_back("done", step=trainer.step, tokens=trainer.tokens, loss=trainer.loss)
 
     def hand_back(self, state: str, **fields: Any) -> None:
-        """End this tenure with `state` (a DiLoCo path `waiting` for its round's outer step)."""
+        """End this tenure with `state` (done; a DiLoCo path `waiting` for its round's outer step)."""
         self.close()
         with self._lock():
             self.lease.finish(state, **fields)
