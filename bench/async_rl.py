@@ -1,6 +1,6 @@
 """Asynchronous GRPO through the bucket, measured against synchronous GRPO on the same machine.
 
-    .venv/bin/python bench/async_rl.py [--steps 60] [--seed-steps 300] [--sapo-steps 30]
+    .venv/bin/python bench/async_rl.py [--steps 60] [--seed-steps 300]
 
 Setup (bench/rl_paths.py's): a one-level mini-mixtral run whose path p00 learns every arithmetic
 family by SFT on worked solutions (the cold start), upcycled into 4 experts; each family routed
@@ -17,10 +17,7 @@ to one path (add p00, sub p01, mul p02, word p03).
    int8's tokens the fp32 learner masks). `--only-int8` runs just that.
 3. throughput with 1, 2 and 4 rollout workers feeding one trainer: completions/s, how many steps
    the trainer had to sample itself, the mean policy lag and the stale batches.
-4. SAPO on the four families: every path's trainer fed by its own worker with 8 prompts a batch
-   plus `--external 8` prompt groups from the other paths' batches, against silo trainers fed 16
-   prompts a batch by their own worker (the same 16 groups a step); held-out accuracy per family
-   of each path and of each arm's composed MoE.
+SAPO against silo, over several seeds, is bench/rl_paths.py's.
 Appended to bench/out/async_rl.jsonl.
 """
 
@@ -37,39 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from rl_paths import FAMILIES, PROMPTS, REWARDS, finish, paths_cmd  # noqa: E402
-
-SAMPLE = ["--set", "group_size=8", "--set", "max_new_tokens=32"]
-
-
-def sets(batch: int, lr: float, *extra: str) -> list[str]:
-    return [*SAMPLE, "--set", f"batch_size={batch}", "--set", "warmup_steps=2", "--set", f"lr={lr}", *(a for e in extra for a in ("--set", e))]
-
-
-def env(name: str, work: str, threads: int) -> dict[str, str]:
-    return {"PATHS_HOME": os.path.join(work, "home", name), "OMP_NUM_THREADS": str(threads)}
-
-
-def metrics(run: str, path: str) -> list[dict]:
-    with open(os.path.join(run, "work", path, "metrics.jsonl")) as f:
-        return [json.loads(x) for x in f if x.strip()]
-
-
-def seed(work: str, a) -> tuple[str, str]:
-    """The SFT cold start (tasks, seed folder)."""
-    tasks = os.path.join(work, "tasks.jsonl")
-    seed_run, seed_dir = os.path.join(work, "seed"), os.path.join(work, "seed-p00")
-    all_p00 = os.path.join(work, "all-p00.json")
-    json.dump({f: "p00" for f in FAMILIES}, open(all_p00, "w"))
-    paths_cmd("gen-tasks", "arithmetic", "--n", str(a.prompts), "--levels", "1,2", "--families", ",".join(FAMILIES), "--max-operand", "9", "--out", tasks)
-    paths_cmd("init", seed_run, "--preset", "mini-mixtral")
-    paths_cmd("decompose", seed_run, "--levels", "1")
-    paths_cmd("shard", seed_run, "--dataset", "sft", "--input", tasks, *PROMPTS, "--answer-field", "solution", "--router", "domain", "--domain-field", "family", "--domain-map", all_p00)
-    paths_cmd("claim", seed_run, "--path", "p00", env=env("seed", work, 2))
-    paths_cmd("train", seed_run, "--mode", "sft", "--dataset", "sft", "--steps", str(a.seed_steps), "--checkpoint-every", "0", "--no-progress",
-              "--set", "seq_len=96", "--set", "batch_size=16", "--set", "warmup_steps=10", "--set", "lr=3e-3", "--set", "weight_decay=0", env=env("seed", work, 2))
-    paths_cmd("materialize", seed_run, "--path", "p00", "--final", "--out", seed_dir)
-    return tasks, seed_dir
+from rl_paths import FAMILIES, PROMPTS, REWARDS, admitted, env, finish, metrics, paths_cmd, sets, sft_seed  # noqa: E402
 
 
 def new_run(work: str, name: str, tasks: str, seed_dir: str) -> str:
@@ -85,15 +50,6 @@ def new_run(work: str, name: str, tasks: str, seed_dir: str) -> str:
 def trainer_args(run: str, path: str, steps: int, batch: int, lr: float, *extra: str, store: bool = True) -> list[str]:
     args = ["train", run, "--path", path, "--mode", "grpo", "--dataset", "rl", *REWARDS, "--steps", str(steps), "--checkpoint-every", "0", "--no-progress", *sets(batch, lr, *extra)]
     return args + (["--rollouts", "store", "--max-async", "2", "--set", "rollout_dtypes=fp32,bf16,int8"] if store else [])  # int8 workers are measured here
-
-
-def admitted(work: str, run: str, name: str) -> str:
-    """A worker key file (made once), admitted to `run` as `name`."""
-    key = os.path.join(work, "keys", f"{name}.key")
-    if not os.path.exists(key):
-        paths_cmd("keys", "new", "--out", key)
-    paths_cmd("keys", "admit", run, "--name", name, "--key", f"{key}.pub")
-    return key
 
 
 def async_arm(work: str, run: str, path: str, steps: int, batch: int, lr: float, workers: int, *extra: str, dtype: str = "fp32", tag: str = "") -> float:
@@ -165,7 +121,6 @@ def main() -> None:
     ap.add_argument("--seed-steps", type=int, default=300)
     ap.add_argument("--steps", type=int, default=60, help="GRPO steps of the sync / async comparison")
     ap.add_argument("--scale-steps", type=int, default=20, help="trainer steps of each worker-count run")
-    ap.add_argument("--sapo-steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--int8-presets", default="mini-mixtral,small-mixtral,bench-mixtral", help="presets of the int8-by-width measurement (empty: skip it)")
@@ -179,7 +134,7 @@ def main() -> None:
     shutil.rmtree(a.work, ignore_errors=True)
     os.makedirs(a.work)
     out: dict = {"at": time.time(), "args": vars(a)}
-    tasks, seed_dir = seed(a.work, a)
+    tasks, seed_dir = sft_seed(a.work, a.prompts, a.seed_steps)
     held = ["eval_every=10", "eval_prompts=64"]
 
     # 1. sync vs async, p00
@@ -248,27 +203,6 @@ def main() -> None:
                     "policy_lag": sum(m["policy_lag"] for m in ms) / len(ms), "stale_batches": sum(m.get("stale_batches", 0) for m in ms)}
     out["workers"] = scale
 
-    # 4. SAPO vs silo, four families, equal rollouts per path per step (16 groups)
-    sapo = {}
-    for arm, (batch, extra) in {"silo": (a.batch, []), "sapo": (a.batch // 2, [f"external={a.batch // 2}"])}.items():
-        r = new_run(a.work, f"sapo-{arm}", tasks, seed_dir)
-        procs = []
-        for fam, pid in FAMILIES.items():
-            paths_cmd("claim", r, "--path", pid, "--worker", f"{arm}-{pid}", env=env(f"{arm}-{pid}", a.work, 1))
-            procs.append((f"trainer {pid}", paths_cmd(*trainer_args(r, pid, a.sapo_steps, batch, a.lr, "rollout_wait=300", *extra), env=env(f"{arm}-{pid}", a.work, 1), wait=False)))
-            procs.append((f"worker {pid}", paths_cmd("rollout", r, "--path", pid, "--dataset", "rl", "--key", admitted(a.work, r, f"cpu-{pid}"), "--batches", str(10 * a.sapo_steps), *REWARDS, *sets(batch, a.lr),
-                                                     "--no-progress", env=env(f"w-{arm}-{pid}", a.work, 1), wait=False)))
-        t0 = time.time()
-        finish(procs)
-        wall = time.time() - t0
-        paths_cmd("compose", r, "--into", "moe", "--name", arm)
-        models = ["base", *(f"path:{p}" for p in FAMILIES.values()), f"composed:{arm}"]
-        table = json.loads(paths_cmd("eval", r, "--dataset", "rl", *(x for m in models for x in ("--model", m)), "--json"))["table"]
-        curves = {pid: [m["reward_mean"] for m in metrics(r, pid)] for pid in FAMILIES.values()}
-        sapo[arm] = {"wall_s": wall, "own_family": {f: table[f"path:{p}"][p] for f, p in FAMILIES.items()}, "composed": table[f"composed:{arm}"], "base": table["base"],
-                     "cumulative_reward": {p: sum(c) for p, c in curves.items()}}
-    out["sapo"] = sapo
-
     # the figures
     s = out["sync_vs_async"]
     print(f"\n1. sync vs async (p00, {a.steps} steps x {a.batch} prompts x 8): sync {t_sync:.0f}s ({s['sync_completions_per_s']:.1f} completions/s), "
@@ -279,10 +213,7 @@ def main() -> None:
           f"tokens masked at step 1: int8 {masked['int8']:.4f}, fp32 {masked['fp32']:.4f}; by width: "
           + ", ".join(f"{k} ({v['parameters'] / 1e6:.1f}M) {v['int8_speedup']:.2f}x" for k, v in q["by_width"].items()))
     print("3. workers: " + "; ".join(f"{k}: {v['completions_per_s']:.1f} completions/s, own steps {v['own_steps']:.0f}, lag {v['policy_lag']:.2f}, stale {v['stale_batches']:.0f}" for k, v in scale.items()))
-    for arm, v in sapo.items():
-        print(f"4. {arm}: own family " + ", ".join(f"{f} {x:.3f}" for f, x in v["own_family"].items()) + f"; composed overall {v['composed']['overall']:.3f} (base {v['base']['overall']:.3f}); "
-              f"cumulative rollout reward {sum(v['cumulative_reward'].values()):.1f}; {v['wall_s']:.0f}s")
-    print(f"reproduce: .venv/bin/python bench/async_rl.py --steps {a.steps} --seed-steps {a.seed_steps} --scale-steps {a.scale_steps} --sapo-steps {a.sapo_steps}")
+    print(f"reproduce: .venv/bin/python bench/async_rl.py --steps {a.steps} --seed-steps {a.seed_steps} --scale-steps {a.scale_steps}")
     with open(os.path.join(ROOT, "bench", "out", "async_rl.jsonl"), "a") as f:
         f.write(json.dumps(out) + "\n")
 

@@ -1,21 +1,35 @@
 """The mission's question, measured: does GRPO per path, composed back into one MoE, beat one dense
-model of path size GRPO-trained on everything with the same rollouts?
+model of path size GRPO-trained on everything, at equal rollouts and at equal wall-clock? And do
+paths that share experience (SAPO) beat paths that keep to themselves (silo)?
 
-    .venv/bin/python bench/rl_paths.py [--steps 60] [--seed-steps 500] [--workers 2]
+    .venv/bin/python bench/rl_paths.py [--seeds 3] [--steps 40] [--sapo-steps 30] [--seed-steps 500]
 
-1. Seed: a one-level run of mini-mixtral; path p00 learns all four arithmetic families (add, sub,
-   mul, word problems; `paths gen-tasks --families add,sub,mul,word`) by SFT on worked solutions
-   (the cold start), then is upcycled into the experiment's base: 4 experts, each the seed's MLP.
-2. The families are routed as domains to the 4 paths (add -> p00, sub -> p01, mul -> p02,
-   word -> p03) and the arms get the same rollouts (steps x batch x group):
-   (a) paths: each path GRPO-trained on its own family by its own worker process
-       (`paths claim --path P && paths train --mode grpo`, `--workers` at a time), then composed:
-       `--router keep` (the upcycled router) and `--router domain-embed` (FlexOlmo: each row from
-       its path's own hidden states of its family's documents);
-   (b) dense: one model of path size (the seed) GRPO-trained on all families for 4x the steps;
-   (c) the base: the seed itself.
-3. Held-out math_answer accuracy (greedy) per family for each; the composed MoEs route per token.
-   Printed as a table with the commands that ran; appended to bench/out/rl_paths.jsonl.
+Every process is one thread and at most two run at once on this 2-core machine, so each has a core
+to itself: a process stands for one machine, and its seconds are what that machine would take.
+
+1. The trained seed: a one-level run of mini-mixtral whose path p00 learns all four arithmetic
+   families (add, sub, mul, word problems; `paths gen-tasks --families add,sub,mul,word`) by SFT
+   on worked solutions (the cold start), upcycled into the experiment's base: 4 experts, each the
+   seed's MLP. The families are routed as domains to the 4 paths (add -> p00, sub -> p01,
+   mul -> p02, word -> p03). Built once; every arm and every RL seed starts from copies of it.
+2. For each RL seed (`--set seed=S`):
+   (a) paths: each path GRPO-trained `--steps` steps on its own family by its own worker process
+       (`paths claim --path P && paths train --mode grpo`), then composed with `--router keep` (the
+       upcycled router) and `--router domain-embed` (FlexOlmo: each row from its path's own hidden
+       states of its family's documents). Four machines run the four paths at once: the arm's
+       wall-clock is its slowest path's seconds.
+   (b) dense, equal rollouts: one model of path size (the seed) GRPO-trained on all families for
+       4x the steps;
+   (c) dense, equal wall-clock: the same, for as many steps as (b) had done when (a)'s wall-clock
+       ran out (its own run, so its learning-rate schedule ends there);
+   (d) SAPO and silo: the four paths trained asynchronously (`--rollouts store`), each trainer fed
+       by its own rollout worker; SAPO's take 8 prompt groups a step from their worker plus
+       `--external 8` from the other paths' batches, silo's 16 from their worker. Cumulative
+       rollout reward (the sum over steps of each step's mean reward, over the paths), held-out
+       accuracy per path and of each arm's composed MoE. Eight processes share the two cores.
+3. Held-out math_answer accuracy (greedy) per family; the composed MoEs route per token. Printed as
+   mean and spread (sample standard deviation) over the seeds, with each goal and its verdict;
+   appended to bench/out/rl_paths.jsonl, with every seed's table.
 """
 
 from __future__ import annotations
@@ -24,6 +38,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -34,6 +49,7 @@ sys.path.insert(0, ROOT)
 FAMILIES = {"add": "p00", "sub": "p01", "mul": "p02", "word": "p03"}
 PROMPTS = ["--kind", "prompts", "--text-field", "prompt", "--id-field", "id", "--holdout", "0.15"]
 REWARDS = ["--reward", "math_answer", "--reward", "format=0.2"]
+SAMPLE = ["--set", "group_size=8", "--set", "max_new_tokens=32"]
 
 
 def paths_cmd(*argv: str, env: dict | None = None, wait: bool = True):
@@ -56,9 +72,125 @@ def finish(procs: list[tuple[str, subprocess.Popen]]) -> None:
             raise SystemExit(f"worker {name} failed ({proc.returncode}):\n{err[-3000:]}")
 
 
-def grpo_args(run: str, dataset: str, steps: int, a) -> list[str]:
-    return ["train", run, "--mode", "grpo", "--dataset", dataset, *REWARDS, "--steps", str(steps), "--checkpoint-every", "0", "--no-progress",
-            "--set", f"batch_size={a.batch}", "--set", "group_size=8", "--set", "max_new_tokens=32", "--set", "warmup_steps=2", "--set", f"lr={a.lr}"]
+def sets(batch: int, lr: float, *extra: str) -> list[str]:
+    return [*SAMPLE, "--set", f"batch_size={batch}", "--set", "warmup_steps=2", "--set", f"lr={lr}", *(a for e in extra for a in ("--set", e))]
+
+
+def env(name: str, work: str, threads: int = 1) -> dict[str, str]:
+    """A worker's own claim home and thread count: one process, one machine."""
+    return {"PATHS_HOME": os.path.join(work, "home", name), "OMP_NUM_THREADS": str(threads)}
+
+
+def metrics(run: str, path: str) -> list[dict]:
+    with open(os.path.join(run, "work", path, "metrics.jsonl")) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+def admitted(work: str, run: str, name: str) -> str:
+    """A worker key file (made once), admitted to `run` as `name`."""
+    key = os.path.join(work, "keys", f"{name}.key")
+    if not os.path.exists(key):
+        paths_cmd("keys", "new", "--out", key)
+    paths_cmd("keys", "admit", run, "--name", name, "--key", f"{key}.pub")
+    return key
+
+
+def grpo_args(run: str, path: str, steps: int, batch: int, lr: float, seed: int, *extra: str) -> list[str]:
+    return ["train", run, "--path", path, "--mode", "grpo", "--dataset", "rl", *REWARDS, "--steps", str(steps), "--checkpoint-every", "0", "--no-progress",
+            *sets(batch, lr, f"seed={seed}", *extra)]
+
+
+def in_pairs(jobs: list[tuple[str, list[str], dict]], width: int) -> dict[str, tuple[float, float]]:
+    """Run `paths` jobs `width` at a time (a new one starts as soon as one ends); each job's
+    (start time, seconds)."""
+    pending, running, done = list(jobs), {}, {}
+    while pending or running:
+        while pending and len(running) < width:
+            name, argv, e = pending.pop(0)
+            running[name] = (paths_cmd(*argv, env=e, wait=False), time.time())
+        time.sleep(0.2)
+        for name, (proc, t0) in list(running.items()):
+            if proc.poll() is not None:
+                finish([(name, proc)])
+                done[name] = (t0, time.time() - t0)
+                del running[name]
+    return done
+
+
+def sft_seed(work: str, prompts: int, seed_steps: int, preset: str = "mini-mixtral") -> tuple[str, str]:
+    """The SFT cold start: every family's worked solutions learnt by one dense path (tasks, seed folder)."""
+    tasks = os.path.join(work, "tasks.jsonl")
+    seed_run, seed_dir = os.path.join(work, "seed"), os.path.join(work, "seed-p00")
+    all_p00 = os.path.join(work, "all-p00.json")
+    json.dump({f: "p00" for f in FAMILIES}, open(all_p00, "w"))
+    paths_cmd("gen-tasks", "arithmetic", "--n", str(prompts), "--levels", "1,2", "--families", ",".join(FAMILIES), "--max-operand", "9", "--out", tasks)
+    paths_cmd("init", seed_run, "--preset", preset)
+    paths_cmd("decompose", seed_run, "--levels", "1")
+    paths_cmd("shard", seed_run, "--dataset", "sft", "--input", tasks, *PROMPTS, "--answer-field", "solution", "--router", "domain", "--domain-field", "family", "--domain-map", all_p00)
+    paths_cmd("claim", seed_run, "--path", "p00", env=env("seed", work, 2))
+    paths_cmd("train", seed_run, "--mode", "sft", "--dataset", "sft", "--steps", str(seed_steps), "--checkpoint-every", "0", "--no-progress",
+              "--set", "seq_len=96", "--set", "batch_size=16", "--set", "warmup_steps=10", "--set", "lr=3e-3", "--set", "weight_decay=0", env=env("seed", work, 2))
+    paths_cmd("materialize", seed_run, "--path", "p00", "--final", "--out", seed_dir)
+    return tasks, seed_dir
+
+
+def templates(work: str, a) -> tuple[str, str]:
+    """The seed upcycled into 4 experts, twice: a run with each family routed to its path (and its
+    documents, for domain-embed routers), and a dense one with every family on p00."""
+    tasks, seed_dir = sft_seed(work, a.prompts, a.seed_steps, a.preset)
+    docs, families = os.path.join(work, "docs.jsonl"), os.path.join(work, "families.json")
+    json.dump(FAMILIES, open(families, "w"))
+    with open(tasks) as f, open(docs, "w") as out:  # the same problems as documents
+        for line in f:
+            r = json.loads(line)
+            out.write(json.dumps({"id": r["id"], "family": r["family"], "text": r["prompt"] + r["solution"]}) + "\n")
+    run, dense = os.path.join(work, "template-paths"), os.path.join(work, "template-dense")
+    for r in (run, dense):
+        paths_cmd("upcycle", r, "--from", seed_dir, "--experts", "4", "--top-k", "2")
+        paths_cmd("decompose", r, "--levels", "1")
+    paths_cmd("shard", run, "--dataset", "rl", "--input", tasks, *PROMPTS, "--router", "domain", "--domain-field", "family", "--domain-map", families)
+    paths_cmd("shard", run, "--dataset", "docs", "--input", docs, "--id-field", "id", "--router", "domain", "--domain-field", "family", "--domain-map", families, "--holdout", "0.15")
+    paths_cmd("shard", dense, "--dataset", "rl", "--input", tasks, *PROMPTS, "--router", "domain", "--domain-field", "family", "--domain-map", os.path.join(work, "all-p00.json"))
+    return run, dense
+
+
+def copy_run(template: str, work: str, name: str) -> str:
+    """A fresh run from the template (a local folder run copies whole)."""
+    run = os.path.join(work, name)
+    shutil.copytree(template, run)
+    return run
+
+
+def dense_steps_within(records: list[dict], t0: float, seconds: float) -> int:
+    """Steps a run whose process started at t0 had finished `seconds` later (at least 1)."""
+    return max(1, sum(1 for m in records if m["time"] - t0 <= seconds))
+
+
+def sapo_arm(work: str, template: str, arm: str, seed: int, a) -> dict:
+    """Four asynchronous trainers and their rollout workers, all at once; composed; evaluated."""
+    batch, extra = (a.batch, []) if arm == "silo" else (a.batch // 2, [f"external={a.batch // 2}"])
+    run = copy_run(template, work, f"{arm}-s{seed}")
+    procs = []
+    for pid in FAMILIES.values():
+        home = env(f"{arm}-s{seed}-{pid}", work)
+        paths_cmd("claim", run, "--path", pid, "--worker", f"{arm}-{pid}", env=home)
+        procs.append((f"trainer {pid}", paths_cmd(*grpo_args(run, pid, a.sapo_steps, batch, a.lr, seed, "rollout_wait=300", *extra), "--rollouts", "store", "--max-async", "2",
+                                                  env=home, wait=False)))
+        procs.append((f"worker {pid}", paths_cmd("rollout", run, "--path", pid, "--dataset", "rl", "--key", admitted(work, run, f"cpu-{pid}"), "--batches", str(10 * a.sapo_steps),
+                                                 *REWARDS, *sets(batch, a.lr), "--no-progress", env=env(f"w-{arm}-s{seed}-{pid}", work), wait=False)))
+    t0 = time.time()
+    finish(procs)
+    wall = time.time() - t0
+    paths_cmd("compose", run, "--into", "moe", "--name", arm)
+    models = [*(f"path:{p}" for p in FAMILIES.values()), f"composed:{arm}"]
+    table = json.loads(paths_cmd("eval", run, "--dataset", "rl", *(x for m in models for x in ("--model", m)), "--json"))["table"]
+    curves = {pid: [m["reward_mean"] for m in metrics(run, pid)] for pid in FAMILIES.values()}
+    return {"wall_s": wall, "own_family": {f: table[f"path:{p}"][p] for f, p in FAMILIES.items()}, "composed": table[f"composed:{arm}"],
+            "cumulative_reward": sum(sum(c) for c in curves.values()), "stale_batches": sum(m.get("stale_batches", 0) for p in FAMILIES.values() for m in metrics(run, p))}
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
 
 
 def main() -> None:
@@ -67,81 +199,85 @@ def main() -> None:
     ap.add_argument("--preset", default="mini-mixtral")
     ap.add_argument("--prompts", type=int, default=3200)
     ap.add_argument("--seed-steps", type=int, default=500)
-    ap.add_argument("--steps", type=int, default=60, help="GRPO steps per path (the dense model takes 4x)")
+    ap.add_argument("--seeds", type=int, default=3, help="RL seeds (each arm runs once per seed)")
+    ap.add_argument("--steps", type=int, default=40, help="GRPO steps per path (the dense model takes 4x)")
+    ap.add_argument("--sapo-steps", type=int, default=30, help="asynchronous steps per path of the SAPO and silo arms (0: skip them)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--workers", type=int, default=2, help="path workers running at once")
     a = ap.parse_args()
     shutil.rmtree(a.work, ignore_errors=True)
     os.makedirs(a.work)
-    t0 = time.perf_counter()
-    tasks, docs = os.path.join(a.work, "tasks.jsonl"), os.path.join(a.work, "docs.jsonl")
-    seed_run, run, dense_run = (os.path.join(a.work, n) for n in ("seed", "run", "dense"))
-    home = lambda name: {"PATHS_HOME": os.path.join(a.work, "home", name), "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // a.workers))}  # noqa: E731
-    families = os.path.join(a.work, "families.json")
-    json.dump(FAMILIES, open(families, "w"))
-    all_to = lambda p: json.dump({f: p for f in FAMILIES}, open(os.path.join(a.work, f"all-{p}.json"), "w")) or os.path.join(a.work, f"all-{p}.json")  # noqa: E731
+    t_start = time.perf_counter()
+    template, dense_template = templates(a.work, a)
+    seeds = list(range(a.seeds))
 
-    # 1. the seed: SFT cold start on every family, upcycled into the base of the experiment
-    paths_cmd("gen-tasks", "arithmetic", "--n", str(a.prompts), "--levels", "1,2", "--families", ",".join(FAMILIES), "--max-operand", "9", "--out", tasks)
-    with open(tasks) as f, open(docs, "w") as out:  # the same problems as documents, for domain-embed routers
-        for line in f:
-            r = json.loads(line)
-            out.write(json.dumps({"id": r["id"], "family": r["family"], "text": r["prompt"] + r["solution"]}) + "\n")
-    paths_cmd("init", seed_run, "--preset", a.preset)
-    paths_cmd("decompose", seed_run, "--levels", "1")
-    paths_cmd("shard", seed_run, "--dataset", "sft", "--input", tasks, *PROMPTS, "--answer-field", "solution", "--router", "domain", "--domain-field", "family", "--domain-map", all_to("p00"))
-    paths_cmd("claim", seed_run, "--path", "p00", env=home("seed"))
-    paths_cmd("train", seed_run, "--mode", "sft", "--dataset", "sft", "--steps", str(a.seed_steps), "--checkpoint-every", "0", "--no-progress",
-              "--set", "seq_len=96", "--set", "batch_size=16", "--set", "warmup_steps=10", "--set", "lr=3e-3", "--set", "weight_decay=0", env=home("seed"))
-    seed_dir = os.path.join(a.work, "seed-p00")
-    paths_cmd("materialize", seed_run, "--path", "p00", "--final", "--out", seed_dir)
-    for r in (run, dense_run):
-        paths_cmd("upcycle", r, "--from", seed_dir, "--experts", "4", "--top-k", "2")
-        paths_cmd("decompose", r, "--levels", "1")
-    paths_cmd("shard", run, "--dataset", "rl", "--input", tasks, *PROMPTS, "--router", "domain", "--domain-field", "family", "--domain-map", families)
-    paths_cmd("shard", run, "--dataset", "docs", "--input", docs, "--id-field", "id", "--router", "domain", "--domain-field", "family", "--domain-map", families, "--holdout", "0.15")
-    paths_cmd("shard", dense_run, "--dataset", "rl", "--input", tasks, *PROMPTS, "--router", "domain", "--domain-field", "family", "--domain-map", all_to("p00"))
-    t_seed = time.perf_counter() - t0
+    # (a) the paths of every seed, two processes at a time (one core each)
+    runs = {s: copy_run(template, a.work, f"paths-s{s}") for s in seeds}
+    jobs = []
+    for s in seeds:
+        for fam, pid in FAMILIES.items():
+            paths_cmd("claim", runs[s], "--path", pid, "--worker", f"worker-{fam}", env=env(f"s{s}-{fam}", a.work))
+            jobs.append((f"s{s}-{pid}", grpo_args(runs[s], pid, a.steps, a.batch, a.lr, s), env(f"s{s}-{fam}", a.work)))
+    path_seconds = in_pairs(jobs, 2)
+    wall = {s: max(path_seconds[f"s{s}-{p}"][1] for p in FAMILIES.values()) for s in seeds}  # four machines at once: the slowest path
+    # (b) dense with the same rollouts (4x the steps); its step times give (c)'s step count
+    dense = {s: copy_run(dense_template, a.work, f"dense-s{s}") for s in seeds}
+    for s in seeds:
+        paths_cmd("claim", dense[s], "--path", "p00", "--worker", "dense", env=env(f"dense-s{s}", a.work))
+    jobs = [(f"s{s}", grpo_args(dense[s], "p00", 4 * a.steps, a.batch, a.lr, s), env(f"dense-s{s}", a.work)) for s in seeds]
+    dense_seconds = in_pairs(jobs, 2)
+    wall_steps = {s: dense_steps_within(metrics(dense[s], "p00"), dense_seconds[f"s{s}"][0], wall[s]) for s in seeds}
+    # (c) dense for the steps it reaches in the paths' wall-clock, as its own run
+    dense_wall = {s: copy_run(dense_template, a.work, f"dense-wall-s{s}") for s in seeds}
+    for s in seeds:
+        paths_cmd("claim", dense_wall[s], "--path", "p00", "--worker", "dense", env=env(f"dense-wall-s{s}", a.work))
+    in_pairs([(f"s{s}", grpo_args(dense_wall[s], "p00", wall_steps[s], a.batch, a.lr, s), env(f"dense-wall-s{s}", a.work)) for s in seeds], 2)
 
-    # 2a. one worker process per path, each on its own family
-    t1 = time.perf_counter()
-    pending = list(FAMILIES.items())
-    while pending:
-        batch, pending = pending[: a.workers], pending[a.workers :]
-        procs = []
-        for family, pid in batch:
-            paths_cmd("claim", run, "--path", pid, "--worker", f"worker-{family}", env=home(family))
-            procs.append((family, paths_cmd(*grpo_args(run, "rl", a.steps, a), "--path", pid, env=home(family), wait=False)))
-        finish(procs)
-    t_paths = time.perf_counter() - t1
-    paths_cmd("compose", run, "--into", "moe", "--name", "keep")
-    paths_cmd("compose", run, "--into", "moe", "--name", "domain-embed", "--router", "domain-embed", "--router-data", "docs", "--router-docs", "64")
-    # 2b. the dense model: one path, every family, 4x the steps (the same rollouts in total)
-    t2 = time.perf_counter()
-    paths_cmd("claim", dense_run, "--path", "p00", "--worker", "dense", env=home("dense"))
-    paths_cmd(*grpo_args(dense_run, "rl", 4 * a.steps, a), "--path", "p00", env={**home("dense"), "OMP_NUM_THREADS": str(os.cpu_count() or 1)})
-    t_dense = time.perf_counter() - t2
-    dense_dir = os.path.join(a.work, "dense-p00")
-    paths_cmd("materialize", dense_run, "--path", "p00", "--final", "--out", dense_dir)
+    # held-out accuracy per family
+    tables = {}
+    for s in seeds:
+        paths_cmd("compose", runs[s], "--into", "moe", "--name", "keep")
+        paths_cmd("compose", runs[s], "--into", "moe", "--name", "domain-embed", "--router", "domain-embed", "--router-data", "docs", "--router-docs", "64")
+        for r, name in ((dense[s], "dense"), (dense_wall[s], "dense-wall")):
+            paths_cmd("materialize", r, "--path", "p00", "--final", "--out", os.path.join(a.work, f"{name}-s{s}-p00"))
+        models = ["base", *(f"path:{p}" for p in FAMILIES.values()), "composed:keep", "composed:domain-embed",
+                  f"hf:{os.path.join(a.work, f'dense-s{s}-p00')}", f"hf:{os.path.join(a.work, f'dense-wall-s{s}-p00')}"]
+        table = json.loads(paths_cmd("eval", runs[s], "--dataset", "rl", *(x for m in models for x in ("--model", m)), "--json"))["table"]
+        tables[s] = {"seed": table["base"], **{f"path {p}": table[f"path:{p}"] for p in FAMILIES.values()}, "composed keep": table["composed:keep"],
+                     "composed domain-embed": table["composed:domain-embed"], "dense, equal rollouts": table[models[-2]], "dense, equal wall-clock": table[models[-1]]}
+    t_sync = time.perf_counter() - t_start
 
-    # 3. held-out accuracy per family
-    models = ["base", *(f"path:{p}" for p in FAMILIES.values()), "composed:keep", "composed:domain-embed", f"hf:{dense_dir}"]
-    out = paths_cmd("eval", run, "--dataset", "rl", *(x for m in models for x in ("--model", m)), "--json")
-    result = json.loads(out)
-    table = result["table"]
-    names = {"base": "(c) base: the seed (SFT cold start)", f"hf:{dense_dir}": "(b) dense: one path, all families", "composed:keep": "(a) paths composed, router keep",
-             "composed:domain-embed": "(a) paths composed, router domain-embed", **{f"path:{p}": f"    path {p} alone (trained on {f})" for f, p in FAMILIES.items()}}
-    print(f"\nheld-out math_answer accuracy (greedy) per family; {a.steps} GRPO steps per path x {a.batch} prompts x G=8, the dense model {4 * a.steps} steps")
-    print(f"{'model':44s}" + "".join(f"{f:>8s}" for f in FAMILIES) + f"{'overall':>9s}")
-    for m in models:
-        row = table[m]
-        print(f"{names[m]:44s}" + "".join(f"{row[p]:8.3f}" for p in FAMILIES.values()) + f"{row['overall']:9.3f}")
-    print(f"seed {t_seed:.0f}s, paths {t_paths:.0f}s ({a.workers} workers at once), dense {t_dense:.0f}s; reproduce: .venv/bin/python bench/rl_paths.py --steps {a.steps} --seed-steps {a.seed_steps} --workers {a.workers}")
+    # (d) SAPO against silo
+    sapo = {arm: {s: sapo_arm(a.work, template, arm, s, a) for s in seeds} for arm in ("silo", "sapo")} if a.sapo_steps else {}
+
+    # the figures
+    cols = [*FAMILIES, "overall"]
+    key = lambda f: FAMILIES.get(f, f)  # noqa: E731
+    print(f"\nheld-out math_answer accuracy (greedy), mean ± spread over {len(seeds)} RL seeds; {a.steps} GRPO steps per path x {a.batch} prompts x G=8; "
+          f"dense: {4 * a.steps} steps (equal rollouts) and {', '.join(str(wall_steps[s]) for s in seeds)} steps (equal wall-clock)")
+    print(f"{'model':28s}" + "".join(f"{c:>16s}" for c in cols))
+    for m in tables[seeds[0]]:
+        print(f"{m:28s}" + "".join(f"{spread([tables[s][m][key(c)] for s in seeds]):>16s}" for c in cols))
+    print(f"wall-clock of the paths (four machines, the slowest path): {spread([wall[s] for s in seeds])} s; dense with the same rollouts: {spread([dense_seconds[f's{s}'][1] for s in seeds])} s")
+    goals = {}
+    for name in ("composed keep", "composed domain-embed"):
+        wins = {c: sum(tables[s][name][key(c)] >= tables[s]["dense, equal wall-clock"][key(c)] for s in seeds) for c in cols}
+        goals[f"{name} >= dense at equal wall-clock"] = wins
+        print(f"goal: {name} >= dense at equal wall-clock on every family: " + ", ".join(f"{c} {w}/{len(seeds)} seeds" for c, w in wins.items()))
+    if sapo:
+        for arm, by_seed in sapo.items():
+            print(f"{arm:5s}: cumulative rollout reward {spread([v['cumulative_reward'] for v in by_seed.values()])}; own family "
+                  + ", ".join(f"{f} {spread([v['own_family'][f] for v in by_seed.values()])}" for f in FAMILIES)
+                  + f"; composed overall {spread([v['composed']['overall'] for v in by_seed.values()])}; {spread([v['wall_s'] for v in by_seed.values()])} s")
+        wins = sum(sapo["sapo"][s]["cumulative_reward"] > sapo["silo"][s]["cumulative_reward"] for s in seeds)
+        goals["sapo > silo on cumulative reward"] = wins
+        print(f"goal: SAPO > silo on cumulative reward: {wins}/{len(seeds)} seeds")
+    print(f"{time.perf_counter() - t_start:.0f} s in all ({t_sync:.0f} s before SAPO); reproduce: .venv/bin/python bench/rl_paths.py --seeds {a.seeds} --steps {a.steps} "
+          f"--sapo-steps {a.sapo_steps} --seed-steps {a.seed_steps}")
     os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "out", "rl_paths.jsonl"), "a") as f:
-        f.write(json.dumps({"at": time.time(), "steps": a.steps, "seed_steps": a.seed_steps, "batch": a.batch, "lr": a.lr, "preset": a.preset,
-                            "table": {names[m].strip(): table[m] for m in models}, "seconds": {"seed": t_seed, "paths": t_paths, "dense": t_dense}}) + "\n")
+        f.write(json.dumps({"at": time.time(), "args": vars(a), "tables": tables, "wall_s": wall, "path_s": path_seconds, "dense_s": dense_seconds, "wall_steps": wall_steps,
+                            "sapo": sapo, "goals": goals}) + "\n")
 
 
 if __name__ == "__main__":

@@ -40,11 +40,11 @@ SEED_STEPS = 300
 RL_STEPS = 100
 RL_REWARDS = ["--reward", "math_answer", "--reward", "format=0.2"]
 SWARM_ROOT = "runs/quickstart-swarm"
-SWARM_STEPS = 30
+SWARM_STEPS = 60
 SWARM_LR = "1e-4"
 SWARM_MAX_ASYNC = 2
-SWARM_EXTERNAL = 4  # prompt groups a step taken from the other path's rollouts (SAPO)
-SWARM_SAMPLING = ("batch_size=8", "group_size=8", "max_new_tokens=24")  # trainers and workers must agree on these
+SWARM_EXTERNAL = 4  # prompt groups a step taken from the other path's rollouts (SAPO): 16 a step in all, as the rl scenario's
+SWARM_SAMPLING = ("batch_size=12", "group_size=8", "max_new_tokens=24")  # trainers and workers must agree on these
 FLEX_ROOT = "runs/quickstart-flexolmo"
 FLEX_DOMAINS = {"code": "p00", "prose": "p01", "math": "p02"}  # p03: the public expert, never trained
 FLEX_DATASET = "domains"

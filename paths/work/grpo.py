@@ -201,7 +201,7 @@ class Rollout:
     truncated_N: torch.Tensor
     seconds: float
     stats: dict[str, float]  # sampling statistics (dropped groups, rounds)
-    behaviour_logp_NC: torch.Tensor | None = None  # asynchronous: the log-probs the rollout worker sampled with
+    behaviour_logp_NC: torch.Tensor | None = None  # asynchronous: the log-probs the rollout worker sampled with (NaN: the current policy's)
 
 
 def pack(records: list[dict[str, Any]], completion_ids: list[list[int]], group: int, pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
@@ -293,6 +293,7 @@ def grpo_backward(model: torch.nn.Module, acc: Any, ro: Rollout, cfg: TrainConfi
         old = logp.detach() if ro.old_logp_NC is None else ro.old_logp_NC[rows]
         if ro.behaviour_logp_NC is not None:  # sampled elsewhere, maybe k versions ago: the ratio is against the sampler's log-probs
             behaviour = ro.behaviour_logp_NC[rows]
+            behaviour = torch.where(behaviour.isnan(), logp.detach(), behaviour)  # NaN: the current policy sampled the row
             keep = mismatch_keep(logp.detach(), behaviour, cfg)
             masked += int(((1 - keep) * mask).sum())
             mask, old = mask * keep, behaviour

@@ -59,13 +59,16 @@ def test_rl_scenario_raises_accuracy_and_the_composed_moe_keeps_it(tmp_path):
         im.load()
 
 
-def test_swarm_scenario_trains_two_paths_from_rollout_workers_and_composes(tmp_path):
+def test_swarm_scenario_trains_two_paths_from_rollout_workers_and_composes(tmp_path, monkeypatch):
     """Two asynchronous trainers and two CPU rollout workers at once, sharing experience through
-    the run (SAPO); then compose, the accuracy table and the report."""
+    the run (SAPO); then compose, the accuracy table and the report. (30 steps: the machinery, in
+    half the scenario's time.)"""
     import json
 
+    from cli import scenarios
     from storage.layout import open_run
 
+    monkeypatch.setattr(scenarios, "SWARM_STEPS", 30)
     root = str(tmp_path / "swarm")
     result = CliRunner().invoke(main, ["quickstart", "--scenario", "swarm", "--root", root], catch_exceptions=False)
     assert result.exit_code == 0, result.stderr

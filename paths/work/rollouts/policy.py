@@ -264,7 +264,7 @@ class PolicyPublisher(Callback):
 
     def _publish(self, trainer: Any) -> None:
         self.writer.salt = self.source.salt  # a resumed trainer's (restored with its state)
-        record = self.writer.publish(trainer.step, trainer.unwrapped, max_async=self.max_async, step=trainer.step, pending=self.source.pending, needs=self.needs,
+        record = self.writer.publish(trainer.step, trainer.unwrapped, max_async=self.max_async, step=trainer.step, pending=self.source.waiting(), needs=self.needs,
                                      mixture=self.source.cfg.mixture)
         self.source.published(record)
 

@@ -82,7 +82,6 @@ class StoreRollouts:
     salt: str = field(default_factory=lambda: secrets.token_hex(32))  # the nonces' secret
     known: set[tuple[int, str, str]] = field(default_factory=set)  # (version, sha256, nonce) of every version published in this run's lineage
     started_at: int = 0  # the step this trainer process started from: versions above it were published before a restart
-    pending: int = 0  # batches waiting that the next step can use (told to the workers)
     on_starving: Callable[[], None] | None = None
     allow: Allowlist = field(default_factory=Allowlist)
     other_records: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # SAPO: other paths' prompts, by dataset/path
@@ -186,7 +185,6 @@ class StoreRollouts:
                 verified = self._verify(batch, record_of(batch.version), stats)
                 taken += [verified] if verified is not None else []
                 progressed = True
-            self.pending = sum(1 for b in candidates if b.key in self._held and b.version >= step + 1 - cfg.max_async)  # still usable next step
             if len(taken) < count and not progressed:
                 if not starving and self.on_starving is not None:
                     self.on_starving()  # tell the workers nothing usable waits, or they hold back
@@ -196,6 +194,33 @@ class StoreRollouts:
                 time.sleep(POLL)
         self._forget(step - cfg.max_async)
         return taken, stats
+
+    def waiting(self) -> int:
+        """Batches the coming steps can take, counted as the policy is published (told to the
+        workers, who hold back while enough wait): those held in their chain's order, sampled
+        recently enough, plus the objects of heard folders not read yet. Counted at take time, or
+        only each chain's next batch, it missed what a fast worker wrote meanwhile, and the queue
+        grew until batches went stale."""
+        seen = set(self.consumed) | set(self.discarded) | set(self.rejected) | self._held.keys()
+        unread = 0
+        for o in self.run.store.list(f"{self.run.rollouts(self.path)}/batches"):
+            where = parse_key(o.key) if o.key not in seen else None
+            who = self.identity(where[0]) if where else None
+            unread += who is not None and who[0] != "revoked" and who[0] not in self.ignored
+        return self._queued(self.steps - self.cfg.max_async) + unread
+
+    def _queued(self, oldest: int) -> int:
+        """Held batches waiting in order in their chains (from each chain's next position on, no
+        gap), sampled from version `oldest` or later."""
+        held: dict[str, dict[int, int]] = {}
+        for batch, who in self._held.values():
+            held.setdefault(who, {})[batch.position] = batch.version
+        queued = 0
+        for who, versions in held.items():
+            position = self.chains[who].next if who in self.chains else 0
+            while position in versions and versions[position] >= oldest:
+                queued, position = queued + 1, position + 1
+        return queued
 
     def _read_new(self, listing: dict[str, int], seen: set[str], budget: int, reads: dict[str, int], stats: dict[str, float]) -> bool:
         """Read the objects nobody looked at yet in heard folders, within each folder's budget and

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from paths.work.grpo import GRPOStep, Samples, grpo_backward, logprobs_in_chunks, to_rollout
+from paths.work.grpo import GRPOStep, Samples, grpo_backward, to_rollout
 from paths.work.rollouts.sapo import take_external
 from paths.work.rollouts.seeds import pick_prompts
 from paths.work.rollouts.source import StoreRollouts
@@ -58,14 +58,12 @@ class AsyncGRPOStep(GRPOStep):
         return grpo_backward(model, acc, ro, cfg, [slice(i, i + rows) for i in range(0, len(ro.advantages_N), rows)])
 
     def _behaviour(self, ro: Any, rows: list[list[float] | None], model: torch.nn.Module) -> torch.Tensor:
-        """(N, C) behaviour log-probs: the workers' where they sampled, the trainer's own where it did."""
-        out = torch.zeros_like(ro.completion_mask_NC, dtype=torch.float32)
-        if any(r is None for r in rows):
-            with torch.no_grad():
-                own = logprobs_in_chunks(model, ro.ids_NT, ro.attention_NT, ro.prompt_len, self.cfg.temperature, self.cfg.batch_size * self.cfg.group_size).float()
+        """(N, C) behaviour log-probs: the workers' where they sampled; NaN where the current policy
+        is the behaviour (sampled here, or another path's rows under SAPO), which the loss reads as
+        its own detached log-probs: no second forward pass for them."""
+        out = torch.full(ro.completion_mask_NC.shape, float("nan"), dtype=torch.float32)
         for i, r in enumerate(rows):
-            if r is None:
-                out[i] = own[i]
-            else:
+            if r is not None:
+                out[i] = 0.0
                 out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
         return out.to(ro.completion_mask_NC.device)

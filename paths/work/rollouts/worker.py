@@ -170,7 +170,7 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
             said = (head["version"], head.get("at"))
             if said != seen:
                 seen, since = said, 0
-            if int(head.get("pending", 0)) + since >= (int(head.get("max_async", cfg.max_async)) + 1) * int(head.get("needs", 1)):
+            if int(head.get("pending", 0)) + since >= max(1, int(head.get("max_async", cfg.max_async))) * int(head.get("needs", 1)):  # each waits a step: max_async steps of them
                 waited = time.time()
                 while (lambda h: (h["version"], h.get("at")))(latest(run, path) or head) == said and time.time() - waited < wait and not finished(run, path):
                     time.sleep(POLL)  # enough batches wait for the trainer: more would only go stale

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from cli.main import main
 from paths.train_config import load_config
 from paths.work.rewards import load_reward
-from paths.work.rollouts import decode, encode, publish, rollout_worker, set_open
+from paths.work.rollouts import batch_key, decode, encode, publish, rollout_worker, set_open
 from paths.work.train import train
 from tests.paths.work.conftest import FAST, loaded, metrics, prompt_run
 from tests.paths.work.rollouts.conftest import REWARD, SALT, STORE, final, keyed, settings, start, worker
@@ -90,6 +90,20 @@ def test_exact_resume_over_a_fixed_set_of_batches(tmp_path, tokenizer_dir, kille
     assert all(torch.equal(a[k], b[k]) for k in a)  # bitwise
     assert [m["reward_mean"] for m in metrics(run, "p00")] == [m["reward_mean"] for m in metrics(other, "p00")]
     assert all(m["store_batches"] == 1 for m in metrics(other, "p00"))  # 5 of the 8 batches, each once: none twice, none lost
+
+
+def test_workers_are_told_every_batch_waiting_in_order(tmp_path, tokenizer_dir):
+    """latest.json's `pending` counts every batch the coming steps can take, not only each chain's
+    next one (a worker faster than its trainer then queued batches until they went stale), and
+    not a batch behind a gap in its chain (it cannot be taken)."""
+    run = prompt_run(tmp_path, tokenizer_dir, holdout=0.0)
+    start(run, tmp_path)
+    worker(run, 6, keyed(run, tmp_path, "w1"))
+    worker(run, 3, keyed(run, tmp_path, "w2"))
+    run.store.delete(batch_key(run, "p00", "w2", 0))  # w2's chain waits for a position that never comes
+    train(run, "p00", "grpo", "rl", load_config(sets=[*FAST, *STORE], steps=1), None, show_progress=False, rewards=[REWARD])
+    assert metrics(run, "p00")[0]["store_batches"] == 1
+    assert json.loads(run.store.read("policy/p00/latest.json"))["pending"] == 5  # w1's other five
 
 
 def test_async_bad_input(tmp_path, tokenizer_dir):
