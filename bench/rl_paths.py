@@ -2,7 +2,7 @@
 model of path size GRPO-trained on everything, at equal rollouts and at equal wall-clock? And do
 paths that share experience (SAPO) beat paths that keep to themselves (silo)?
 
-    .venv/bin/python bench/rl_paths.py [--seeds 3] [--steps 40] [--sapo-steps 30] [--seed-steps 500]
+    .venv/bin/python bench/rl_paths.py [--seeds 3] [--steps 40] [--sapo-steps 30] [--seed-steps 500] [--arms sync,sapo]
 
 Every process is one thread and at most two run at once on this 2-core machine, so each has a core
 to itself: a process stands for one machine, and its seconds are what that machine would take.
@@ -42,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -100,9 +101,9 @@ def grpo_args(run: str, path: str, steps: int, batch: int, lr: float, seed: int,
             *sets(batch, lr, f"seed={seed}", *extra)]
 
 
-def in_pairs(jobs: list[tuple[str, list[str], dict]], width: int) -> dict[str, tuple[float, float]]:
-    """Run `paths` jobs `width` at a time (a new one starts as soon as one ends); each job's
-    (start time, seconds)."""
+def in_pairs(jobs: list[tuple[str, list[str], dict]], width: int, then: Callable[[str, float], list[tuple[str, list[str], dict]]] | None = None) -> dict[str, tuple[float, float]]:
+    """Run `paths` jobs `width` at a time (a new one starts as soon as one ends); `then(name, start)`
+    may queue more once a job is done. Each job's (start time, seconds)."""
     pending, running, done = list(jobs), {}, {}
     while pending or running:
         while pending and len(running) < width:
@@ -114,6 +115,7 @@ def in_pairs(jobs: list[tuple[str, list[str], dict]], width: int) -> dict[str, t
                 finish([(name, proc)])
                 done[name] = (t0, time.time() - t0)
                 del running[name]
+                pending += then(name, t0) if then else []
     return done
 
 
@@ -201,16 +203,35 @@ def main() -> None:
     ap.add_argument("--seed-steps", type=int, default=500)
     ap.add_argument("--seeds", type=int, default=3, help="RL seeds (each arm runs once per seed)")
     ap.add_argument("--steps", type=int, default=40, help="GRPO steps per path (the dense model takes 4x)")
-    ap.add_argument("--sapo-steps", type=int, default=30, help="asynchronous steps per path of the SAPO and silo arms (0: skip them)")
+    ap.add_argument("--sapo-steps", type=int, default=30, help="asynchronous steps per path of the SAPO and silo arms")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--arms", default="sync,sapo", help="sync: (a)-(c); sapo: (d); both by default (each one about 20 minutes here)")
     a = ap.parse_args()
+    arms = set(a.arms.split(","))
+    if not arms or arms - {"sync", "sapo"}:
+        raise SystemExit(f"--arms takes sync, sapo or both, got {a.arms!r}")
     shutil.rmtree(a.work, ignore_errors=True)
     os.makedirs(a.work)
     t_start = time.perf_counter()
     template, dense_template = templates(a.work, a)
     seeds = list(range(a.seeds))
+    out: dict = {"at": time.time(), "args": vars(a), "goals": {}}
+    if "sync" in arms:
+        out.update(sync_arms(a, template, dense_template, seeds))
+        out["goals"].update(print_sync(out, a, seeds))
+    if "sapo" in arms:
+        out["sapo"] = {arm: {s: sapo_arm(a.work, template, arm, s, a) for s in seeds} for arm in ("silo", "sapo")}
+        out["goals"].update(print_sapo(out["sapo"], seeds))
+    print(f"{time.perf_counter() - t_start:.0f} s in all; reproduce: .venv/bin/python bench/rl_paths.py --seeds {a.seeds} --steps {a.steps} "
+          f"--sapo-steps {a.sapo_steps} --seed-steps {a.seed_steps} --arms {a.arms}")
+    os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
+    with open(os.path.join(ROOT, "bench", "out", "rl_paths.jsonl"), "a") as f:
+        f.write(json.dumps(out) + "\n")
 
+
+def sync_arms(a, template: str, dense_template: str, seeds: list[int]) -> dict:
+    """(a) paths, (b) dense with the same rollouts, (c) dense at equal wall-clock; every seed's table."""
     # (a) the paths of every seed, two processes at a time (one core each)
     runs = {s: copy_run(template, a.work, f"paths-s{s}") for s in seeds}
     jobs = []
@@ -220,19 +241,24 @@ def main() -> None:
             jobs.append((f"s{s}-{pid}", grpo_args(runs[s], pid, a.steps, a.batch, a.lr, s), env(f"s{s}-{fam}", a.work)))
     path_seconds = in_pairs(jobs, 2)
     wall = {s: max(path_seconds[f"s{s}-{p}"][1] for p in FAMILIES.values()) for s in seeds}  # four machines at once: the slowest path
-    # (b) dense with the same rollouts (4x the steps); its step times give (c)'s step count
+    # (b) dense with the same rollouts (4x the steps); as soon as one is done, its step times give
+    # (c): the same dense model for the steps it had done in the paths' wall-clock, as its own run
     dense = {s: copy_run(dense_template, a.work, f"dense-s{s}") for s in seeds}
-    for s in seeds:
-        paths_cmd("claim", dense[s], "--path", "p00", "--worker", "dense", env=env(f"dense-s{s}", a.work))
-    jobs = [(f"s{s}", grpo_args(dense[s], "p00", 4 * a.steps, a.batch, a.lr, s), env(f"dense-s{s}", a.work)) for s in seeds]
-    dense_seconds = in_pairs(jobs, 2)
-    wall_steps = {s: dense_steps_within(metrics(dense[s], "p00"), dense_seconds[f"s{s}"][0], wall[s]) for s in seeds}
-    # (c) dense for the steps it reaches in the paths' wall-clock, as its own run
     dense_wall = {s: copy_run(dense_template, a.work, f"dense-wall-s{s}") for s in seeds}
+    wall_steps: dict[int, int] = {}
     for s in seeds:
-        paths_cmd("claim", dense_wall[s], "--path", "p00", "--worker", "dense", env=env(f"dense-wall-s{s}", a.work))
-    in_pairs([(f"s{s}", grpo_args(dense_wall[s], "p00", wall_steps[s], a.batch, a.lr, s), env(f"dense-wall-s{s}", a.work)) for s in seeds], 2)
+        for r, name in ((dense[s], f"dense-s{s}"), (dense_wall[s], f"dense-wall-s{s}")):
+            paths_cmd("claim", r, "--path", "p00", "--worker", "dense", env=env(name, a.work))
 
+    def wall_run(name: str, start: float) -> list[tuple[str, list[str], dict]]:
+        if not name.startswith("dense-s"):
+            return []
+        s = int(name.removeprefix("dense-s"))
+        wall_steps[s] = dense_steps_within(metrics(dense[s], "p00"), start, wall[s])
+        return [(f"dense-wall-s{s}", grpo_args(dense_wall[s], "p00", wall_steps[s], a.batch, a.lr, s), env(f"dense-wall-s{s}", a.work))]
+
+    jobs = [(f"dense-s{s}", grpo_args(dense[s], "p00", 4 * a.steps, a.batch, a.lr, s), env(f"dense-s{s}", a.work)) for s in seeds]
+    dense_seconds = in_pairs(jobs, 2, wall_run)
     # held-out accuracy per family
     tables = {}
     for s in seeds:
@@ -245,40 +271,36 @@ def main() -> None:
         table = json.loads(paths_cmd("eval", runs[s], "--dataset", "rl", *(x for m in models for x in ("--model", m)), "--json"))["table"]
         tables[s] = {"seed": table["base"], **{f"path {p}": table[f"path:{p}"] for p in FAMILIES.values()}, "composed keep": table["composed:keep"],
                      "composed domain-embed": table["composed:domain-embed"], "dense, equal rollouts": table[models[-2]], "dense, equal wall-clock": table[models[-1]]}
-    t_sync = time.perf_counter() - t_start
+    return {"tables": tables, "wall_s": wall, "path_s": path_seconds, "dense_s": dense_seconds, "wall_steps": wall_steps}
 
-    # (d) SAPO against silo
-    sapo = {arm: {s: sapo_arm(a.work, template, arm, s, a) for s in seeds} for arm in ("silo", "sapo")} if a.sapo_steps else {}
 
-    # the figures
-    cols = [*FAMILIES, "overall"]
+def print_sync(out: dict, a, seeds: list[int]) -> dict:
+    """The accuracy table, mean ± spread over the seeds, and the wall-clock goal per family."""
+    tables, cols = out["tables"], [*FAMILIES, "overall"]
     key = lambda f: FAMILIES.get(f, f)  # noqa: E731
     print(f"\nheld-out math_answer accuracy (greedy), mean ± spread over {len(seeds)} RL seeds; {a.steps} GRPO steps per path x {a.batch} prompts x G=8; "
-          f"dense: {4 * a.steps} steps (equal rollouts) and {', '.join(str(wall_steps[s]) for s in seeds)} steps (equal wall-clock)")
+          f"dense: {4 * a.steps} steps (equal rollouts) and {', '.join(str(out['wall_steps'][s]) for s in seeds)} steps (equal wall-clock)")
     print(f"{'model':28s}" + "".join(f"{c:>16s}" for c in cols))
     for m in tables[seeds[0]]:
         print(f"{m:28s}" + "".join(f"{spread([tables[s][m][key(c)] for s in seeds]):>16s}" for c in cols))
-    print(f"wall-clock of the paths (four machines, the slowest path): {spread([wall[s] for s in seeds])} s; dense with the same rollouts: {spread([dense_seconds[f's{s}'][1] for s in seeds])} s")
+    print(f"wall-clock of the paths (four machines, the slowest path): {spread([out['wall_s'][s] for s in seeds])} s; "
+          f"dense with the same rollouts: {spread([out['dense_s'][f'dense-s{s}'][1] for s in seeds])} s")
     goals = {}
     for name in ("composed keep", "composed domain-embed"):
         wins = {c: sum(tables[s][name][key(c)] >= tables[s]["dense, equal wall-clock"][key(c)] for s in seeds) for c in cols}
         goals[f"{name} >= dense at equal wall-clock"] = wins
         print(f"goal: {name} >= dense at equal wall-clock on every family: " + ", ".join(f"{c} {w}/{len(seeds)} seeds" for c, w in wins.items()))
-    if sapo:
-        for arm, by_seed in sapo.items():
-            print(f"{arm:5s}: cumulative rollout reward {spread([v['cumulative_reward'] for v in by_seed.values()])}; own family "
-                  + ", ".join(f"{f} {spread([v['own_family'][f] for v in by_seed.values()])}" for f in FAMILIES)
-                  + f"; composed overall {spread([v['composed']['overall'] for v in by_seed.values()])}; {spread([v['wall_s'] for v in by_seed.values()])} s")
-        wins = sum(sapo["sapo"][s]["cumulative_reward"] > sapo["silo"][s]["cumulative_reward"] for s in seeds)
-        goals["sapo > silo on cumulative reward"] = wins
-        print(f"goal: SAPO > silo on cumulative reward: {wins}/{len(seeds)} seeds")
-    print(f"{time.perf_counter() - t_start:.0f} s in all ({t_sync:.0f} s before SAPO); reproduce: .venv/bin/python bench/rl_paths.py --seeds {a.seeds} --steps {a.steps} "
-          f"--sapo-steps {a.sapo_steps} --seed-steps {a.seed_steps}")
-    os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
-    with open(os.path.join(ROOT, "bench", "out", "rl_paths.jsonl"), "a") as f:
-        f.write(json.dumps({"at": time.time(), "args": vars(a), "tables": tables, "wall_s": wall, "path_s": path_seconds, "dense_s": dense_seconds, "wall_steps": wall_steps,
-                            "sapo": sapo, "goals": goals}) + "\n")
+    return goals
 
+
+def print_sapo(sapo: dict, seeds: list[int]) -> dict:
+    for arm, by_seed in sapo.items():
+        print(f"{arm:5s}: cumulative rollout reward {spread([v['cumulative_reward'] for v in by_seed.values()])}; own family "
+              + ", ".join(f"{f} {spread([v['own_family'][f] for v in by_seed.values()])}" for f in FAMILIES)
+              + f"; composed overall {spread([v['composed']['overall'] for v in by_seed.values()])}; {spread([v['wall_s'] for v in by_seed.values()])} s")
+    wins = sum(sapo["sapo"][s]["cumulative_reward"] > sapo["silo"][s]["cumulative_reward"] for s in seeds)
+    print(f"goal: SAPO > silo on cumulative reward: {wins}/{len(seeds)} seeds")
+    return {"sapo > silo on cumulative reward": wins}
 
 if __name__ == "__main__":
     main()

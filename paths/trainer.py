@@ -31,6 +31,7 @@ import torch
 from paths import checkpoint, fsdp
 from paths.adapters import adapter_state, is_adapted, load_adapter_state
 from paths.errors import ConfigurationError, LeaseLost, PathsError
+from paths.threads import Threads
 from paths.train_config import TrainConfig
 from storage.layout import Run
 
@@ -255,6 +256,7 @@ class Trainer:
         self.saved_at = -1  # the step of the newest checkpoint committed or resumed from
         self.metrics: list[dict[str, Any]] = []
         self.main = acc.is_main_process
+        self.threads = Threads()  # on a CPU: torch's threads kept to the cores other processes leave free
 
     # -- the loop ---------------------------------------------------------------------------------
     def fit(self) -> Result:
@@ -280,6 +282,8 @@ class Trainer:
         self.model.train()
         while self.step < cfg.steps:
             self._check_stop()
+            if acc.device.type == "cpu":
+                self.threads.check()
             stats = self.step_fn(self.model, acc, self.batches)  # gradients of one optimizer step
             if cfg.max_grad_norm > 0:
                 acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)

@@ -12,6 +12,11 @@ from storage.url import open_store
 
 BACKENDS = ["local", "memory", "s3"]
 
+# torch's thread count stays what it starts with in every test and every process a test starts:
+# adapting it to the load (paths/threads.py, tested on its own) would change the order of
+# floating-point sums between two runs that must agree bit for bit
+os.environ.setdefault("PATHS_THREADS", "fixed")
+
 
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory: pytest.TempPathFactory) -> SeaweedServer:

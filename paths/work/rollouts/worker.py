@@ -26,6 +26,7 @@ from paths.work.rollouts.keys import public_hex, read_allowlist
 from paths.work.rollouts.policy import PolicyReader, copy_as, latest
 from paths.work.rollouts.seeds import batch_seed, pick_prompts, row_uniforms, run_id
 from paths.work.mixture import Mixture
+from paths.threads import Threads
 from paths.work.sampling import complete
 from storage.layout import Run
 
@@ -146,6 +147,7 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
         index = next_index(run, path, name)
         written, dropped, reloads, tokens, seconds = 0, 0, 0, 0, 0.0
         seen, since = None, 0  # batches written since the trainer last said how many wait
+        threads = Threads()  # torch's threads kept to the cores other processes leave free
         deadline = time.time() + wait
         while written < batches:
             if finished(run, path):
@@ -175,6 +177,7 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
                 while (lambda h: (h["version"], h.get("at")))(latest(run, path) or head) == said and time.time() - waited < wait and not finished(run, path):
                     time.sleep(POLL)  # enough batches wait for the trainer: more would only go stale
                 continue
+            threads.check()
             t0 = time.perf_counter()
             seed = batch_seed(loaded["nonce"], name, public, position)
             picked = pick_prompts(seed, cfg.batch_size, len(records), mixture)
