@@ -52,12 +52,12 @@ class AsyncGRPOStep(GRPOStep):
         samples = Samples.concat(parts)
         ro = to_rollout(samples, model, self.ref_model, cfg, self.tokenizer, time.perf_counter() - t0, {
             **stats, "store_batches": float(len(got)), "own_batches": float(own), "policy_lag": float(sum(src.steps - v for v in versions) / len(versions))})
-        ro.behaviour_logp_NC = self._behaviour(ro, behaviour, model)
+        ro.behaviour_logp_NC = self._behaviour(ro, behaviour)
         src.steps += 1
         rows = cfg.batch_size * cfg.group_size
         return grpo_backward(model, acc, ro, cfg, [slice(i, i + rows) for i in range(0, len(ro.advantages_N), rows)])
 
-    def _behaviour(self, ro: Any, rows: list[list[float] | None], model: torch.nn.Module) -> torch.Tensor:
+    def _behaviour(self, ro: Any, rows: list[list[float] | None]) -> torch.Tensor:
         """(N, C) behaviour log-probs: the workers' where they sampled; NaN where the current policy
         is the behaviour (sampled here, or another path's rows under SAPO), which the loss reads as
         its own detached log-probs: no second forward pass for them."""

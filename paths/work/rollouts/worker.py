@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from paths.errors import ConfigurationError, DataError, NotFound, PreconditionFailed
+from paths.threads import Threads
 from paths.work.grpo import logprobs_in_chunks, pack, pad_rows, score_samples
 from paths.work.rewards import Reward
 from paths.work.rollouts.batch import DTYPES, Rejected, batch_key, decode, digest_of, encode, parse_key, prompt_sha
@@ -26,7 +27,6 @@ from paths.work.rollouts.keys import public_hex, read_allowlist
 from paths.work.rollouts.policy import PolicyReader, copy_as, latest
 from paths.work.rollouts.seeds import batch_seed, pick_prompts, row_uniforms, run_id
 from paths.work.mixture import Mixture
-from paths.threads import Threads
 from paths.work.sampling import complete
 from storage.layout import Run
 
