@@ -166,7 +166,7 @@ class StoreRollouts:
             return records[v]
 
         while len(taken) < count:
-            seen = set(self.consumed) | set(self.discarded) | set(self.rejected)
+            seen = self._resolved()
             listing = {o.key: o.size for o in self.run.store.list(f"{self.run.rollouts(self.path)}/batches")}
             self._held = {k: v for k, v in self._held.items() if k in listing}
             progressed = self._read_new(listing, seen, budget, reads, stats)
@@ -201,13 +201,16 @@ class StoreRollouts:
         recently enough, plus the objects of heard folders not read yet. Counted at take time, or
         only each chain's next batch, it missed what a fast worker wrote meanwhile, and the queue
         grew until batches went stale."""
-        seen = set(self.consumed) | set(self.discarded) | set(self.rejected) | self._held.keys()
-        unread = 0
+        seen, ignored, unread = self._resolved() | self._held.keys(), self.ignored, 0
         for o in self.run.store.list(f"{self.run.rollouts(self.path)}/batches"):
             where = parse_key(o.key) if o.key not in seen else None
             who = self.identity(where[0]) if where else None
-            unread += who is not None and who[0] != "revoked" and who[0] not in self.ignored
+            unread += who is not None and who[0] != "revoked" and who[0] not in ignored
         return self._queued(self.steps - self.cfg.max_async) + unread
+
+    def _resolved(self) -> set[str]:
+        """Keys of the batches taken, discarded or rejected: never read again."""
+        return set(self.consumed) | set(self.discarded) | set(self.rejected)
 
     def _queued(self, oldest: int) -> int:
         """Held batches waiting in order in their chains (from each chain's next position on, no
