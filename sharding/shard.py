@@ -32,7 +32,6 @@ from sharding import balance
 from sharding.inputs import Fields, Format, OnError, ReadStats, Record, expand, read_records
 from sharding.routers import Doc, Router, load_router, make_router, save_router, stable_hash
 from sharding.writer import FIELDS_DOCUMENTS, FIELDS_PROMPTS, MemoryBudget, PathBuffer, group_checksum, write_groups
-from sharding.zarr_store import HashingStore, open_zarr_store
 from storage.layout import Run
 from storage.manifest import ArtifactWriter, read_manifest
 from storage.safetensors_io import read_header
@@ -453,16 +452,15 @@ def _consolidate(run: Run, opts: ShardOptions, router: Router, keys: list[str], 
             _scatter(part, assignment[start : start + n], buffers, path_ids, fields)
             start += n
         writer = ArtifactWriter(run.store, run.dataset(opts.dataset))
-        jobs, sinks = [], {}
+        jobs = []
         for p in path_ids:
             buffers[p].close()
             run.store.delete_prefix(run.shard(opts.dataset, p))  # what a killed attempt left
-            sinks[p] = {}
-            store = HashingStore(open_zarr_store(run, run.shard(opts.dataset, p), read_only=False), sinks[p])
-            jobs.append((buffers[p], store, {"dataset": opts.dataset, "path": p, "kind": opts.kind, "format_version": opts.format_version}))
-        counts = dict(zip(path_ids, write_groups(jobs, opts.chunk_tokens, opts.shard_tokens)))
-        for p in path_ids:
-            writer.files.update({f"{p}.zarr/{k}": e for k, e in sorted(sinks[p].items())})
+            jobs.append((run.shard(opts.dataset, p), buffers[p], {"dataset": opts.dataset, "path": p, "kind": opts.kind, "format_version": opts.format_version}))
+        counts = {}
+        for p, (count, files) in zip(path_ids, write_groups(run.store, jobs, opts.chunk_tokens, opts.shard_tokens)):
+            counts[p] = count
+            writer.files.update({f"{p}.zarr/{k}": e for k, e in sorted(files.items())})
         progress("path", len(path_ids))
         per_path = {p: {**counts[p], "checksum": group_checksum(writer.files, f"{p}.zarr/")} for p in path_ids}
         docs = sum(c["train_docs"] + c["heldout_docs"] for c in per_path.values())

@@ -191,3 +191,41 @@ def test_spilling_to_disk_gives_the_same_bytes(run2, corpus, monkeypatch):
     monkeypatch.setattr(shard_mod, "MEMORY_BUDGET", 1)  # spill after every append
     spilled = shard(run2, opts)
     assert spilled["files"] == in_memory["files"]
+
+
+@pytest.mark.parametrize("n, chunk, shard", [(0, 4, 8), (1, 4, 8), (4, 4, 8), (7, 4, 8), (8, 4, 8), (10, 4, 8), (29, 4, 8), (33, 4, 16), (40, 8, 8)])
+def test_the_writer_writes_the_bytes_zarr_writes(tmp_path, n, chunk, shard):
+    """Every object of a prompts group (metadata; uint32, uint64 and uint8 shards, their indexes)
+    byte for byte as zarr's own array API writes it: arrays of one chunk, a padded last chunk, a
+    last shard with chunks past the array's end, several shards."""
+    import zarr
+    from zarr.codecs import ZstdCodec
+
+    from sharding.writer import FIELDS_PROMPTS, MemoryBudget, PathBuffer, _layout, array_names, write_groups
+    from storage.url import open_store
+
+    rng = np.random.default_rng(n)
+    buffer = PathBuffer(str(tmp_path / "buf"), FIELDS_PROMPTS, MemoryBudget(1 << 30))
+    for split, m in (("train", n), ("heldout", n // 3)):
+        for name in FIELDS_PROMPTS:
+            buffer.append(split, name, rng.integers(0, 250, m), np.array([m // 2, m - m // 2], np.int64))
+    attributes = {"dataset": "d", "path": "p00", "kind": "prompts", "format_version": 2}
+    store = open_store(str(tmp_path / "ours"), create=True)
+    [(counts, files)] = write_groups(store, [("g.zarr", buffer, attributes)], chunk, shard)
+    assert counts == {"train_docs": 2, "train_tokens": n, "heldout_docs": 2, "heldout_tokens": n // 3}
+
+    theirs = zarr.storage.MemoryStore()
+    group = zarr.open_group(store=theirs, mode="w", attributes=attributes)
+    for split in ("train", "heldout"):
+        for name in FIELDS_PROMPTS:
+            for aname, array, c, s in zip(array_names(name, split), buffer.arrays(split, name), (chunk, max(1, chunk // 8)), (shard, max(1, shard // 8))):
+                c, s = _layout(len(array), c, s)
+                arr = group.create_array(aname, shape=array.shape, dtype=array.dtype, chunks=(c,), shards=(s,), compressors=ZstdCodec(level=3, checksum=True), fill_value=0, config={"write_empty_chunks": True})
+                if len(array):
+                    arr[:] = array
+    expected = {k: v.to_bytes() for k, v in theirs._store_dict.items()}
+    assert sorted(files) == sorted(expected)
+    for key, data in expected.items():
+        assert store.read(f"g.zarr/{key}") == data, key
+        assert files[key]["bytes"] == len(data)
+    assert np.array_equal(zarr.open_group(str(tmp_path / "ours" / "g.zarr"), mode="r")["prompt_utf8"][:], buffer.arrays("train", "prompt")[0])
