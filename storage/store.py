@@ -186,10 +186,11 @@ class Store:
         artifacts are left out unless `hidden`."""
         base = self.path(prefix.rstrip("/")) if prefix else self.root
 
-        def find() -> dict:
-            if not self.fs.exists(base):
+        def find() -> dict:  # a prefix nothing is under lists empty (no existence check first: one round trip, not two)
+            try:
+                return self.fs.find(base, withdirs=False, detail=True)
+            except FileNotFoundError:
                 return {}
-            return self.fs.find(base, withdirs=False, detail=True)
 
         out = []
         for path, info in self._call(prefix, find).items():
@@ -286,7 +287,9 @@ class Store:
     def _conditional(self, key: str, data: bytes, attempt: Callable[[], str]) -> str:
         """Run a conditional write with retries; a 412 may answer our own earlier attempt that the
         server applied but whose reply was lost (retried here, or inside the client library), so
-        on a 412 the content decides: exactly our bytes there means the write is ours."""
+        on a 412 the content decides: exactly our bytes there means the write is ours. Even a 412 to
+        the first attempt needs the read: aiohttp resends an idempotent PUT by itself when a kept-
+        alive connection drops, so the first attempt may have reached the server twice."""
         try:
             return self._call(key, attempt)
         except PreconditionFailed as exc:
