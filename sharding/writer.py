@@ -129,6 +129,11 @@ def write_groups(store: Store, jobs: list[tuple[str, PathBuffer, dict[str, Any]]
     stays ~ threads x one shard."""
     from concurrent.futures import ThreadPoolExecutor
 
+    import google_crc32c  # noqa: F401  first imported here, in one thread: pool threads importing zarr at once fail (a circular import)
+    import numcodecs  # noqa: F401
+    import zarr.core.group  # noqa: F401
+    import zarr.core.metadata.v3  # noqa: F401
+
     results: list[tuple[dict[str, int], dict[str, dict[str, Any]]]] = []
     tasks = []
     for key, buffer, attributes in jobs:

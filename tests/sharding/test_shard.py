@@ -229,3 +229,29 @@ def test_the_writer_writes_the_bytes_zarr_writes(tmp_path, n, chunk, shard):
         assert store.read(f"g.zarr/{key}") == data, key
         assert files[key]["bytes"] == len(data)
     assert np.array_equal(zarr.open_group(str(tmp_path / "ours" / "g.zarr"), mode="r")["prompt_utf8"][:], buffer.arrays("train", "prompt")[0])
+
+
+def test_a_fresh_process_shards(run2, corpus):
+    """`paths shard` in a new interpreter: zarr is first imported by the writer, in its own thread
+    before its pool starts (pool threads importing zarr at once can fail on zarr's circular
+    imports: seen once in a fresh `paths shard`, a race no test can time)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, concurrent.futures as cf\n"
+        "from sharding.shard import ShardOptions, shard\n"
+        "from storage.layout import open_run\n"
+        "assert 'zarr' not in sys.modules\n"
+        "real = cf.ThreadPoolExecutor.__init__\n"
+        "def init(self, *a, **k):\n"
+        "    if sys._getframe(1).f_code.co_name == 'write_groups':\n"
+        "        missing = [m for m in ('zarr.core.group', 'zarr.core.metadata.v3', 'numcodecs', 'google_crc32c') if m not in sys.modules]\n"
+        "        assert not missing, f'the writer pool threads would import {missing} themselves'\n"
+        "    real(self, *a, **k)\n"
+        "cf.ThreadPoolExecutor.__init__ = init\n"
+        "print(shard(open_run(sys.argv[1]), ShardOptions(dataset='fresh', inputs=sys.argv[2:]))['documents'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, run2.url, *corpus], capture_output=True, text=True, cwd=str(__import__("pathlib").Path(__file__).parents[2]))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) == dataset_manifest(run2, "fresh")["documents"] > 0
