@@ -1,22 +1,24 @@
 """Asynchronous GRPO through the bucket, measured against synchronous GRPO on the same machine.
 
-    .venv/bin/python bench/async_rl.py [--steps 60] [--seed-steps 300]
+    .venv/bin/python bench/async_rl.py [--steps 60] [--seed-steps 300] [--workers 1,2,4]
 
 Setup (bench/rl_paths.py's): a one-level mini-mixtral run whose path p00 learns every arithmetic
 family by SFT on worked solutions (the cold start), upcycled into 4 experts; each family routed
 to one path (add p00, sub p01, mul p02, word p03).
 
-1. sync vs async on p00: `paths train --mode grpo` sampling its own rollouts, against the same
-   trainer with `--rollouts store --max-async 2` fed by one `paths rollout` worker in another
-   process (each process one thread, the sync one two): wall-clock to the same held-out reward
-   (greedy, every 10 steps) and completions trained on per second.
+1. What a rollout machine buys (the model of adding a CPU node): synchronous GRPO on p00 pinned to
+   one core (`paths train --mode grpo` sampling its own rollouts, one thread), against the same
+   trainer pinned to that core with `--rollouts store --max-async 2` fed by 1, 2 or 4 `paths
+   rollout` workers pinned together to the other core (one thread each). Each arm trains the same
+   steps from the same seed with the held-out reward (greedy, 64 prompts) every 10 steps: wall-clock
+   to the held-out reward every arm reaches (goal: 1 worker >= 1.5x sync), completions trained on
+   per second, the trainer's own steps (no worker batch within rollout_wait), the mean policy lag
+   and the stale batches; 2 and 4 workers on the one core show where it saturates.
 2. int8 vs fp32 rollout workers: tokens/s of `paths rollout --dtype int8` and `fp32` from the same
    published policy, alternating, and the share of tokens the trainer masks (icepop) in one step
    on each's batches; then the same comparison by model width (mini, small and bench-mixtral,
    randomly initialised: a worker's sampling and log-probs of one 64-row chunk, and the share of
    int8's tokens the fp32 learner masks). `--only-int8` runs just that.
-3. throughput with 1, 2 and 4 rollout workers feeding one trainer: completions/s, how many steps
-   the trainer had to sample itself, the mean policy lag and the stale batches.
 SAPO against silo, over several seeds, is bench/rl_paths.py's.
 Appended to bench/out/async_rl.jsonl.
 """
@@ -52,16 +54,26 @@ def trainer_args(run: str, path: str, steps: int, batch: int, lr: float, *extra:
     return args + (["--rollouts", "store", "--max-async", "2", "--set", "rollout_dtypes=fp32,bf16,int8"] if store else [])  # int8 workers are measured here
 
 
+TRAINER_CPUS, WORKER_CPUS = {0}, {1}  # one core the trainer's, the other the rollout machine's
+
+
 def async_arm(work: str, run: str, path: str, steps: int, batch: int, lr: float, workers: int, *extra: str, dtype: str = "fp32", tag: str = "") -> float:
-    """A trainer and `workers` rollout workers for `path`, each its own one-thread process; wall seconds."""
+    """A trainer pinned to TRAINER_CPUS and `workers` rollout workers pinned together to
+    WORKER_CPUS, each its own one-thread process; wall seconds."""
     paths_cmd("claim", run, "--path", path, "--worker", f"trainer-{path}{tag}", env=env(f"t-{path}{tag}", work, 1))
     t0 = time.time()
-    procs = [("trainer", paths_cmd(*trainer_args(run, path, steps, batch, lr, *extra), env=env(f"t-{path}{tag}", work, 1), wait=False))]
+    procs = [("trainer", paths_cmd(*trainer_args(run, path, steps, batch, lr, *extra), env=env(f"t-{path}{tag}", work, 1), wait=False, cpus=TRAINER_CPUS))]
     for w in range(workers):
         procs.append((f"worker {w}", paths_cmd("rollout", run, "--path", path, "--dataset", "rl", "--key", admitted(work, run, f"cpu-{w}{tag}"), "--dtype", dtype, "--batches", str(10 * steps), *REWARDS,
-                                               *sets(batch, lr), "--no-progress", env=env(f"w-{path}-{w}{tag}", work, 1), wait=False)))
+                                               *sets(batch, lr), "--no-progress", env=env(f"w-{path}-{w}{tag}", work, 1), wait=False, cpus=WORKER_CPUS)))
     finish(procs)
     return time.time() - t0
+
+
+def step_seconds(records: list[dict]) -> float:
+    """Median seconds of a step without a held-out evaluation (from the metrics' timestamps)."""
+    d = sorted(b["time"] - a["time"] for a, b in zip(records, records[1:]) if "heldout_reward" not in b)
+    return d[len(d) // 2]
 
 
 def reached(records: list[dict], target: float, t0: float) -> float | None:
@@ -119,44 +131,59 @@ def main() -> None:
     ap.add_argument("--work", default=os.path.join(ROOT, "bench", "out", "async_rl"))
     ap.add_argument("--prompts", type=int, default=3200)
     ap.add_argument("--seed-steps", type=int, default=300)
-    ap.add_argument("--steps", type=int, default=60, help="GRPO steps of the sync / async comparison")
-    ap.add_argument("--scale-steps", type=int, default=20, help="trainer steps of each worker-count run")
+    ap.add_argument("--steps", type=int, default=60, help="GRPO steps of every arm of the rollout-machine comparison")
+    ap.add_argument("--workers", default="1,2,4", help="rollout worker counts sharing the second core")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--int8-presets", default="mini-mixtral,small-mixtral,bench-mixtral", help="presets of the int8-by-width measurement (empty: skip it)")
     ap.add_argument("--only-int8", action="store_true", help="run only the int8-by-width measurement")
     a = ap.parse_args()
     widths = [p for p in a.int8_presets.split(",") if p]
+    workers = [int(k) for k in a.workers.split(",") if k]
     if a.only_int8:
         print("int8 vs fp32, a rollout worker's arithmetic by model width (2 threads):")
         print(json.dumps(int8_by_size(widths, threads=2)))
         return
+    if len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("bench/async_rl.py pins the trainer and the rollout workers to two different cores: run it where two are free")
     shutil.rmtree(a.work, ignore_errors=True)
     os.makedirs(a.work)
     out: dict = {"at": time.time(), "args": vars(a)}
     tasks, seed_dir = sft_seed(a.work, a.prompts, a.seed_steps)
-    held = ["eval_every=10", "eval_prompts=64"]
 
-    # 1. sync vs async, p00
+    # 1. what a rollout machine buys: sync on one core, against 1, 2, 4 workers on the other
+    held = ["eval_every=10", "eval_prompts=64"]
     sync_run = new_run(a.work, "sync", tasks, seed_dir)
-    paths_cmd("claim", sync_run, "--path", "p00", "--worker", "sync", env=env("sync", a.work, 2))
+    paths_cmd("claim", sync_run, "--path", "p00", "--worker", "sync", env=env("sync", a.work, 1))
     t0 = time.time()
-    paths_cmd(*trainer_args(sync_run, "p00", a.steps, a.batch, a.lr, *held, store=False), env=env("sync", a.work, 2))
-    t_sync = time.time() - t0
-    sync_m = metrics(sync_run, "p00")
-    async_run = new_run(a.work, "async", tasks, seed_dir)
-    t0_async = time.time()
-    t_async = async_arm(a.work, async_run, "p00", a.steps, a.batch, a.lr, 1, *held, "rollout_wait=120")
-    async_m = metrics(async_run, "p00")
+    paths_cmd(*trainer_args(sync_run, "p00", a.steps, a.batch, a.lr, *held, store=False), env=env("sync", a.work, 1), cpus=TRAINER_CPUS)
+    arms = {"sync": {"wall_s": time.time() - t0, "t0": t0, "metrics": metrics(sync_run, "p00")}}
+    for k in workers:
+        r = new_run(a.work, f"async-{k}", tasks, seed_dir)
+        t0 = time.time()
+        wall = async_arm(a.work, r, "p00", a.steps, a.batch, a.lr, k, *held, "rollout_wait=120", tag=f"-{k}")
+        arms[k] = {"wall_s": wall, "t0": t0, "metrics": metrics(r, "p00")}
     best = lambda ms: max(m["heldout_reward"] for m in ms if "heldout_reward" in m)  # noqa: E731
-    target = min(best(sync_m), best(async_m))
-    to_sync, to_async = reached(sync_m, target, t0), reached(async_m, target, t0_async)
+    target = min(best(arm["metrics"]) for arm in arms.values())
     completions = a.steps * a.batch * 8
-    out["sync_vs_async"] = {"steps": a.steps, "sync_s": t_sync, "async_s": t_async, "target_heldout": target, "sync_to_target_s": to_sync, "async_to_target_s": to_async,
-                            "sync_completions_per_s": completions / t_sync, "async_completions_per_s": completions / t_async,
-                            "sync_heldout": [m["heldout_reward"] for m in sync_m if "heldout_reward" in m], "async_heldout": [m["heldout_reward"] for m in async_m if "heldout_reward" in m],
-                            "async_policy_lag": sum(m["policy_lag"] for m in async_m) / len(async_m), "async_own_steps": sum(m["own_batches"] for m in async_m),
-                            "async_mismatch_masked": sum(m["mismatch_masked"] for m in async_m) / len(async_m)}
+    machine = {"steps": a.steps, "target_heldout": target}
+    for name, arm in arms.items():
+        ms = arm["metrics"]
+        row = {"wall_s": arm["wall_s"], "to_target_s": reached(ms, target, arm["t0"]), "completions_per_s": completions / arm["wall_s"],
+               "heldout": [m["heldout_reward"] for m in ms if "heldout_reward" in m]}
+        row["median_step_s"] = step_seconds(ms)
+        if name == "sync":  # a synchronous step samples, then trains: what a rollout machine can take off it
+            plain = [(b, b["time"] - prev["time"]) for prev, b in zip(ms, ms[1:]) if "heldout_reward" not in b]
+            row["sampling_share"] = sum(a.batch * 8 / m["completions_per_s"] for m, _ in plain) / sum(d for _, d in plain)
+            row["speedup_bound"] = 1 / (1 - row["sampling_share"])
+        if name != "sync":
+            row |= {"own_steps": sum(m["own_batches"] for m in ms), "policy_lag": sum(m["policy_lag"] for m in ms) / len(ms),
+                    "stale_batches": sum(m.get("stale_batches", 0) for m in ms), "mismatch_masked": sum(m["mismatch_masked"] for m in ms) / len(ms)}
+        machine[str(name)] = row
+    for k in workers:
+        machine[str(k)]["speedup_to_target"] = machine["sync"]["to_target_s"] / machine[str(k)]["to_target_s"]
+        machine[str(k)]["speedup_throughput"] = machine["sync"]["wall_s"] / machine[str(k)]["wall_s"]
+    out["rollout_machine"] = machine
 
     # 2. int8 vs fp32 workers from one published policy
     from paths.train_config import load_config
@@ -193,27 +220,21 @@ def main() -> None:
     out["int8_vs_fp32"] = {"tokens_per_s": {k: sorted(v)[len(v) // 2] for k, v in rates.items()}, "all": rates, "masked_share_step1": masked,
                            "by_width": int8_by_size(widths, threads=2)}
 
-    # 3. 1, 2, 4 workers
-    scale = {}
-    for k in (1, 2, 4):
-        r = new_run(a.work, f"scale-{k}", tasks, seed_dir)
-        wall = async_arm(a.work, r, "p00", a.scale_steps, a.batch, a.lr, k, "rollout_wait=120", tag=f"-{k}")
-        ms = metrics(r, "p00")
-        scale[k] = {"wall_s": wall, "completions_per_s": a.scale_steps * a.batch * 8 / wall, "own_steps": sum(m["own_batches"] for m in ms),
-                    "policy_lag": sum(m["policy_lag"] for m in ms) / len(ms), "stale_batches": sum(m.get("stale_batches", 0) for m in ms)}
-    out["workers"] = scale
-
     # the figures
-    s = out["sync_vs_async"]
-    print(f"\n1. sync vs async (p00, {a.steps} steps x {a.batch} prompts x 8): sync {t_sync:.0f}s ({s['sync_completions_per_s']:.1f} completions/s), "
-          f"async trainer + 1 worker {t_async:.0f}s ({s['async_completions_per_s']:.1f}/s): {t_sync / t_async:.2f}x; to held-out reward {target:.3f}: "
-          f"sync {to_sync:.0f}s, async {to_async:.0f}s ({(to_sync or 0) / max(1e-9, to_async or 1e9):.2f}x); async lag {s['async_policy_lag']:.2f}, own steps {s['async_own_steps']:.0f}, masked {s['async_mismatch_masked']:.4f}")
+    sy = machine["sync"]
+    print(f"\n1. what a rollout machine buys (p00, {a.steps} steps x {a.batch} prompts x 8; trainer on core 0, workers on core 1, one thread each); "
+          f"to held-out reward {target:.3f}:")
+    print(f"   sync, one core: {sy['wall_s']:.0f}s ({sy['completions_per_s']:.1f} completions/s; a step {sy['median_step_s']:.2f}s, {sy['sampling_share']:.0%} of it sampling: "
+          f"a rollout machine can buy at most {sy['speedup_bound']:.2f}x), to target {sy['to_target_s']:.0f}s")
+    for k in workers:
+        m = machine[str(k)]
+        print(f"   async + {k} worker{'s' if k > 1 else ''} on the other core: {m['wall_s']:.0f}s ({m['completions_per_s']:.1f}/s, {m['speedup_throughput']:.2f}x; a step {m['median_step_s']:.2f}s), to target {m['to_target_s']:.0f}s "
+              f"({m['speedup_to_target']:.2f}x; goal >= 1.5 with 1 worker); own steps {m['own_steps']:.0f}, lag {m['policy_lag']:.2f}, stale {m['stale_batches']:.0f}, masked {m['mismatch_masked']:.4f}")
     q = out["int8_vs_fp32"]
     print(f"2. rollout tokens/s: int8 {q['tokens_per_s']['int8']:.0f}, fp32 {q['tokens_per_s']['fp32']:.0f} ({q['tokens_per_s']['int8'] / q['tokens_per_s']['fp32']:.2f}x); "
           f"tokens masked at step 1: int8 {masked['int8']:.4f}, fp32 {masked['fp32']:.4f}; by width: "
           + ", ".join(f"{k} ({v['parameters'] / 1e6:.1f}M) {v['int8_speedup']:.2f}x" for k, v in q["by_width"].items()))
-    print("3. workers: " + "; ".join(f"{k}: {v['completions_per_s']:.1f} completions/s, own steps {v['own_steps']:.0f}, lag {v['policy_lag']:.2f}, stale {v['stale_batches']:.0f}" for k, v in scale.items()))
-    print(f"reproduce: .venv/bin/python bench/async_rl.py --steps {a.steps} --seed-steps {a.seed_steps} --scale-steps {a.scale_steps}")
+    print(f"reproduce: .venv/bin/python bench/async_rl.py --steps {a.steps} --seed-steps {a.seed_steps} --workers {a.workers}")
     with open(os.path.join(ROOT, "bench", "out", "async_rl.jsonl"), "a") as f:
         f.write(json.dumps(out) + "\n")
 

@@ -53,11 +53,13 @@ REWARDS = ["--reward", "math_answer", "--reward", "format=0.2"]
 SAMPLE = ["--set", "group_size=8", "--set", "max_new_tokens=32"]
 
 
-def paths_cmd(*argv: str, env: dict | None = None, wait: bool = True):
-    """`paths ARGV` in its own process (as a worker would run it); stdout, or the process."""
+def paths_cmd(*argv: str, env: dict | None = None, wait: bool = True, cpus: set[int] | None = None):
+    """`paths ARGV` in its own process (as a worker would run it), pinned to `cpus` if given
+    (`taskset -c`); stdout, or the process."""
     cmd = [sys.executable, "-m", "cli.main", *argv]
-    print("$ paths " + " ".join(argv), flush=True)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    print(f"$ {'taskset -c ' + ','.join(map(str, sorted(cpus))) + ' ' if cpus else ''}paths " + " ".join(argv), flush=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     if not wait:
         return proc
     out, err = proc.communicate()
