@@ -61,10 +61,11 @@ def async_arm(work: str, run: str, path: str, steps: int, batch: int, lr: float,
     """A trainer pinned to TRAINER_CPUS and `workers` rollout workers pinned together to
     WORKER_CPUS, each its own one-thread process; wall seconds."""
     paths_cmd("claim", run, "--path", path, "--worker", f"trainer-{path}{tag}", env=env(f"t-{path}{tag}", work, 1))
+    keys = [admitted(work, run, f"cpu-{w}{tag}") for w in range(workers)]  # before the clock starts
     t0 = time.time()
     procs = [("trainer", paths_cmd(*trainer_args(run, path, steps, batch, lr, *extra), env=env(f"t-{path}{tag}", work, 1), wait=False, cpus=TRAINER_CPUS))]
     for w in range(workers):
-        procs.append((f"worker {w}", paths_cmd("rollout", run, "--path", path, "--dataset", "rl", "--key", admitted(work, run, f"cpu-{w}{tag}"), "--dtype", dtype, "--batches", str(10 * steps), *REWARDS,
+        procs.append((f"worker {w}", paths_cmd("rollout", run, "--path", path, "--dataset", "rl", "--key", keys[w], "--dtype", dtype, "--batches", str(10 * steps), *REWARDS,
                                                *sets(batch, lr), "--no-progress", env=env(f"w-{path}-{w}{tag}", work, 1), wait=False, cpus=WORKER_CPUS)))
     finish(procs)
     return time.time() - t0
