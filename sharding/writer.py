@@ -125,8 +125,8 @@ def write_groups(store: Store, jobs: list[tuple[str, PathBuffer, dict[str, Any]]
     itself on a 16-path dataset. The bytes are zarr's own (its metadata classes serialise the
     zarr.json objects; chunks are numcodecs' zstd, the shard index crc32c-checked as zarr does),
     so zarr reads them and a test holds them byte-identical to zarr's writer. Every shard of
-    every array is one task on `threads` threads: zstd and the writes run in parallel, memory
-    stays ~ threads x one shard."""
+    every array is one task on `threads` threads: zstd and the writes run in parallel, and the
+    encoded bytes in flight stay ~ threads x one shard (the values are the buffers' arrays)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import google_crc32c  # noqa: F401  first imported here, in one thread: pool threads importing zarr at once fail (a circular import)
@@ -144,7 +144,8 @@ def write_groups(store: Store, jobs: list[tuple[str, PathBuffer, dict[str, Any]]
             for name in buffer.fields:
                 values, offsets = buffer.arrays(split, name)
                 vname, oname = array_names(name, split)
-                for aname, array, chunk, shard in ((vname, values, chunk_tokens, shard_tokens), (oname, offsets, max(1, chunk_tokens // 8), max(1, shard_tokens // 8))):
+                offsets_chunk = max(1, chunk_tokens // 8)  # a shard of offsets holds as many chunks as a shard of values
+                for aname, array, chunk, shard in ((vname, values, chunk_tokens, shard_tokens), (oname, offsets, offsets_chunk, shard_tokens // chunk_tokens * offsets_chunk)):
                     chunk, shard = _layout(len(array), chunk, shard)
                     tasks.append((key, files, f"{aname}/zarr.json", lambda n=len(array), d=array.dtype, c=chunk, s=shard: _array_json(n, d, c, s)))
                     for i, begin in enumerate(range(0, len(array), shard)):
@@ -210,8 +211,10 @@ def _array_json(n: int, dtype: np.dtype, chunk: int, shard: int) -> bytes:
 
     template = _array_template(np.dtype(dtype).str)
     sharding = template["codecs"][0]
+    config = sharding["configuration"]
+    little = lambda codecs: [{**c, "configuration": {**c.get("configuration", {}), "endian": "little"}} if c["name"] == "bytes" else c for c in codecs]  # noqa: E731  as _encode_shard writes, on any host
     meta = ArrayV3Metadata.from_dict({**template, "shape": [n], "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [shard]}},
-                                      "codecs": [{**sharding, "configuration": {**sharding["configuration"], "chunk_shape": [chunk]}}]})
+                                      "codecs": [{**sharding, "configuration": {**config, "chunk_shape": [chunk], "codecs": little(config["codecs"]), "index_codecs": little(config["index_codecs"])}}]})
     return meta.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
 
 

@@ -35,7 +35,8 @@ def make_s3fs(storage_options: dict[str, Any]):
     # No listing cache: other workers write to the same bucket, so listings must be fresh.
     fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, **options)
     fs.retries = 1
-    fs.session = _session(fs.kwargs)
+    if fs.session is None:  # ours, kept across s3fs's client refreshes (it re-creates only a session it made)
+        fs.session, fs._session_is_owned = _session(fs.kwargs), False
     _OPEN.add(fs)
     return fs
 
@@ -53,8 +54,9 @@ def _session(kwargs: dict[str, Any]) -> Any:
 
 
 def _timestamp(value: Any) -> Any:
-    """An ISO 8601 timestamp ('2026-12-07T00:32:16.000Z') as an aware datetime; anything else
-    (HTTP dates, epoch seconds) as botocore parses it."""
+    """An ISO 8601 timestamp ('2026-12-07T00:32:16.000Z', as S3 lists them) as the datetime
+    botocore's parser gives (the same instant and zone); anything else (HTTP dates, epoch seconds,
+    and on Python 3.10 a trailing Z) as botocore parses it."""
     from datetime import datetime
 
     from botocore.utils import parse_timestamp

@@ -218,7 +218,7 @@ def test_the_writer_writes_the_bytes_zarr_writes(tmp_path, n, chunk, shard):
     group = zarr.open_group(store=theirs, mode="w", attributes=attributes)
     for split in ("train", "heldout"):
         for name in FIELDS_PROMPTS:
-            for aname, array, c, s in zip(array_names(name, split), buffer.arrays(split, name), (chunk, max(1, chunk // 8)), (shard, max(1, shard // 8))):
+            for aname, array, c, s in zip(array_names(name, split), buffer.arrays(split, name), (chunk, max(1, chunk // 8)), (shard, shard // chunk * max(1, chunk // 8))):
                 c, s = _layout(len(array), c, s)
                 arr = group.create_array(aname, shape=array.shape, dtype=array.dtype, chunks=(c,), shards=(s,), compressors=ZstdCodec(level=3, checksum=True), fill_value=0, config={"write_empty_chunks": True})
                 if len(array):
@@ -229,6 +229,15 @@ def test_the_writer_writes_the_bytes_zarr_writes(tmp_path, n, chunk, shard):
         assert store.read(f"g.zarr/{key}") == data, key
         assert files[key]["bytes"] == len(data)
     assert np.array_equal(zarr.open_group(str(tmp_path / "ours" / "g.zarr"), mode="r")["prompt_utf8"][:], buffer.arrays("train", "prompt")[0])
+
+
+def test_offsets_shards_hold_whole_chunks(run2, corpus):
+    """shard_tokens a multiple of chunk_tokens whose eighths are not (60 and 20: 7 and 2) still
+    writes: the offsets' shard is as many of their chunks as a values shard holds."""
+    small = shard(run2, ShardOptions(dataset="small", inputs=corpus, id_field="id", chunk_tokens=20, shard_tokens=60))
+    default = shard(run2, ShardOptions(dataset="default", inputs=corpus, id_field="id"))
+    for p in small["paths"]:
+        assert [d.tolist() for d in read_documents(run2, "small", p)] == [d.tolist() for d in read_documents(run2, "default", p)]
 
 
 def test_a_fresh_process_shards(run2, corpus):
