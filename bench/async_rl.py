@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import time
 
@@ -71,10 +72,9 @@ def async_arm(work: str, run: str, path: str, steps: int, batch: int, lr: float,
     return time.time() - t0
 
 
-def step_seconds(records: list[dict]) -> float:
-    """Median seconds of a step without a held-out evaluation (from the metrics' timestamps)."""
-    d = sorted(b["time"] - a["time"] for a, b in zip(records, records[1:]) if "heldout_reward" not in b)
-    return d[len(d) // 2]
+def plain_steps(records: list[dict]) -> list[tuple[dict, float]]:
+    """(metrics, seconds) of every step without a held-out evaluation (from the timestamps)."""
+    return [(b, b["time"] - a["time"]) for a, b in zip(records, records[1:]) if "heldout_reward" not in b]
 
 
 def reached(records: list[dict], target: float, t0: float) -> float | None:
@@ -172,12 +172,12 @@ def main() -> None:
         ms = arm["metrics"]
         row = {"wall_s": arm["wall_s"], "to_target_s": reached(ms, target, arm["t0"]), "completions_per_s": completions / arm["wall_s"],
                "heldout": [m["heldout_reward"] for m in ms if "heldout_reward" in m]}
-        row["median_step_s"] = step_seconds(ms)
+        plain = plain_steps(ms)
+        row["median_step_s"] = statistics.median(d for _, d in plain)
         if name == "sync":  # a synchronous step samples, then trains: what a rollout machine can take off it
-            plain = [(b, b["time"] - prev["time"]) for prev, b in zip(ms, ms[1:]) if "heldout_reward" not in b]
             row["sampling_share"] = sum(a.batch * 8 / m["completions_per_s"] for m, _ in plain) / sum(d for _, d in plain)
             row["speedup_bound"] = 1 / (1 - row["sampling_share"])
-        if name != "sync":
+        else:
             row |= {"own_steps": sum(m["own_batches"] for m in ms), "policy_lag": sum(m["policy_lag"] for m in ms) / len(ms),
                     "stale_batches": sum(m.get("stale_batches", 0) for m in ms), "mismatch_masked": sum(m["mismatch_masked"] for m in ms) / len(ms)}
         machine[str(name)] = row

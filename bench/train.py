@@ -22,6 +22,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -200,19 +201,17 @@ def main() -> None:
             if side == "hf":
                 hf.append(tokens / hf_trainer(run, cfg, args.work))
                 continue
-            if run.store.exists(run.claim(PATH)):  # the path afresh: no claim, no work, no final
-                run.store.delete(run.claim(PATH))
+            run.store.delete(run.claim(PATH))  # the path afresh: no claim, no work, no final
             run.store.delete_prefix(run.work(PATH))
             run.store.delete_prefix(run.final(PATH))
             ours_s, summary = ours(run, cfg)
             mine.append(tokens / ours_s)
             loop.append(json.loads(run.store.read(f"work/{PATH}/metrics.jsonl").decode().splitlines()[-1])["tokens_per_s"])
-    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     ck = summary["checkpoint"]
     result = {
         "steps": args.steps, "seq_len": args.seq_len, "batch": args.batch, "tokens": tokens, "cpus": os.cpu_count(), "repeats": args.repeats,
-        "ours_tok_s": median(mine), "hf_trainer_tok_s": median(hf), "ratio": median(mine) / median(hf), "pair_ratios": [o / h for o, h in zip(mine, hf)],
-        "ours_all": mine, "hf_all": hf, "checkpoint_s": ck.get("seconds"), "checkpoint_bytes": ck.get("bytes"), "ours_loop_tok_s": median(loop),
+        "ours_tok_s": statistics.median(mine), "hf_trainer_tok_s": statistics.median(hf), "ratio": statistics.median(mine) / statistics.median(hf), "pair_ratios": [o / h for o, h in zip(mine, hf)],
+        "ours_all": mine, "hf_all": hf, "checkpoint_s": ck.get("seconds"), "checkpoint_bytes": ck.get("bytes"), "ours_loop_tok_s": statistics.median(loop),
     }
     result["loop_ratio"] = result["ours_loop_tok_s"] / result["hf_trainer_tok_s"]
     result |= claims_on_seaweed(args.work)

@@ -134,6 +134,8 @@ def write_groups(store: Store, jobs: list[tuple[str, PathBuffer, dict[str, Any]]
     import zarr.core.group  # noqa: F401
     import zarr.core.metadata.v3  # noqa: F401
 
+    offsets_chunk = max(1, chunk_tokens // 8)  # a shard of offsets holds as many chunks as a shard of values
+    offsets_shard = shard_tokens // chunk_tokens * offsets_chunk
     results: list[tuple[dict[str, int], dict[str, dict[str, Any]]]] = []
     tasks = []
     for key, buffer, attributes in jobs:
@@ -144,8 +146,7 @@ def write_groups(store: Store, jobs: list[tuple[str, PathBuffer, dict[str, Any]]
             for name in buffer.fields:
                 values, offsets = buffer.arrays(split, name)
                 vname, oname = array_names(name, split)
-                offsets_chunk = max(1, chunk_tokens // 8)  # a shard of offsets holds as many chunks as a shard of values
-                for aname, array, chunk, shard in ((vname, values, chunk_tokens, shard_tokens), (oname, offsets, offsets_chunk, shard_tokens // chunk_tokens * offsets_chunk)):
+                for aname, array, chunk, shard in ((vname, values, chunk_tokens, shard_tokens), (oname, offsets, offsets_chunk, offsets_shard)):
                     chunk, shard = _layout(len(array), chunk, shard)
                     tasks.append((key, files, f"{aname}/zarr.json", lambda n=len(array), d=array.dtype, c=chunk, s=shard: _array_json(n, d, c, s)))
                     for i, begin in enumerate(range(0, len(array), shard)):
@@ -211,21 +212,25 @@ def _array_json(n: int, dtype: np.dtype, chunk: int, shard: int) -> bytes:
 
     template = _array_template(np.dtype(dtype).str)
     sharding = template["codecs"][0]
-    config = sharding["configuration"]
-    little = lambda codecs: [{**c, "configuration": {**c.get("configuration", {}), "endian": "little"}} if c["name"] == "bytes" else c for c in codecs]  # noqa: E731  as _encode_shard writes, on any host
     meta = ArrayV3Metadata.from_dict({**template, "shape": [n], "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [shard]}},
-                                      "codecs": [{**sharding, "configuration": {**config, "chunk_shape": [chunk], "codecs": little(config["codecs"]), "index_codecs": little(config["index_codecs"])}}]})
+                                      "codecs": [{**sharding, "configuration": {**sharding["configuration"], "chunk_shape": [chunk]}}]})
     return meta.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
 
 
 @functools.lru_cache(maxsize=None)
 def _array_template(dtype: str) -> dict[str, Any]:
-    """The metadata zarr writes for our arrays of this dtype (create_array's defaults filled in)."""
+    """The metadata zarr writes for our arrays of this dtype (create_array's defaults filled in),
+    little-endian on any host, as `_encode_shard` writes (zarr's default follows the host's)."""
     import zarr
-    from zarr.codecs import ZstdCodec
+    from zarr.codecs import BytesCodec, ZstdCodec
 
-    arr = zarr.create_array(store=zarr.storage.MemoryStore(), shape=(0,), dtype=np.dtype(dtype), chunks=(1,), shards=(1,), compressors=ZstdCodec(level=3, checksum=True), fill_value=0)
-    return arr.metadata.to_dict()
+    arr = zarr.create_array(store=zarr.storage.MemoryStore(), shape=(0,), dtype=np.dtype(dtype), chunks=(1,), shards=(1,), serializer=BytesCodec(endian="little"),
+                            compressors=ZstdCodec(level=3, checksum=True), fill_value=0)
+    meta = arr.metadata.to_dict()
+    for codec in meta["codecs"][0]["configuration"]["index_codecs"]:  # the shard index too
+        if codec["name"] == "bytes":
+            codec["configuration"] = {"endian": "little"}
+    return meta
 
 
 def _group_json(attributes: dict[str, Any]) -> bytes:

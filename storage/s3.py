@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import weakref
+from datetime import datetime
 from typing import Any
 
 from storage.errors import NotFound, PreconditionFailed, StorageError
@@ -57,15 +58,13 @@ def _timestamp(value: Any) -> Any:
     """An ISO 8601 timestamp ('2026-12-07T00:32:16.000Z', as S3 lists them) as the datetime
     botocore's parser gives (the same instant and zone); anything else (HTTP dates, epoch seconds,
     and on Python 3.10 a trailing Z) as botocore parses it."""
-    from datetime import datetime
-
-    from botocore.utils import parse_timestamp
-
     if isinstance(value, str) and len(value) > 10 and value[4] == "-" and value[10] == "T":
         try:
             return datetime.fromisoformat(value)
         except ValueError:
             pass
+    from botocore.utils import parse_timestamp
+
     return parse_timestamp(value)
 
 
