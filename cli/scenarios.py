@@ -249,17 +249,19 @@ def _upcycled_seed(root: str, seed_root: str) -> list[Stage]:
 
 def rl_scenario(root: str = RL_ROOT) -> Scenario:
     """DeepSeek-R1's recipe in miniature, the Branch-Train-MiX way: an SFT cold start on worked
-    arithmetic (the seed, one dense path), sparse upcycling of the seed into a 4-expert MoE, GRPO of
-    every path by the worker loop on its share of the prompts, compose, and held-out accuracy of the
-    seed, each path and the composed MoE; then rejection sampling from the composed model."""
+    arithmetic (the seed, one dense path), sparse upcycling of the seed into a 2-expert MoE, GRPO of
+    each path on its half of the prompts by two workers at once (`paths claim && paths train` in
+    each, a core and a claim file apiece: two machines), compose, and held-out accuracy of the seed,
+    each path and the composed MoE; then rejection sampling from the composed model."""
     accepted = os.path.join(os.path.dirname(os.path.abspath(root)), "quickstart-tasks", "rejection-sampled.jsonl")
     models = ["base", "path:p00", "path:p01", "composed:rl"]
     stages: list[Stage] = [
         *_upcycled_seed(root, f"{root}-seed"),
-        WorkerLoop(["claim", root, "--ttl", "60", "--worker", "quickstart"],
-                   ["train", root, "--mode", "grpo", "--dataset", "arith", *RL_REWARDS, "--steps", str(RL_STEPS), "--checkpoint-every", "0", "--eval-every", "10",
-                    *settings("batch_size=16", "group_size=8", "max_new_tokens=24", "warmup_steps=2", "lr=1e-4"), "--no-progress"],
-                   note="(each path: GRPO from the seed on its half of the prompts)"),
+        Parallel({f"worker {i}": [["claim", root, "--ttl", "60", "--worker", f"worker-{i}"],
+                                  ["train", root, "--mode", "grpo", "--dataset", "arith", *RL_REWARDS, "--steps", str(RL_STEPS), "--checkpoint-every", "0", "--eval-every", "10",
+                                   *settings("batch_size=16", "group_size=8", "max_new_tokens=24", "warmup_steps=2", "lr=1e-4"), "--no-progress"]] for i in (1, 2)},
+                 {f"worker {i}": {"PATHS_HOME": os.path.join(f"{root}-home", f"worker-{i}"), "OMP_NUM_THREADS": "1"} for i in (1, 2)},
+                 note="(two workers, one a path each: GRPO from the seed on its half of the prompts)"),
         Command(["compose", root, "--into", "moe", "--name", "rl", "--overwrite"]),
         Command(["eval", root, "--dataset", "arith", *(a for m in models for a in ("--model", m))],
                 note="held-out math_answer accuracy (greedy); base is the upcycled seed: the SFT cold start, before GRPO"),
