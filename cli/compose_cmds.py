@@ -159,6 +159,9 @@ def diloco(run: str, rounds: int | None, inner_steps: int | None, outer_lr: floa
     click.echo(f"{state['paths']} paths, {state['rounds']} rounds of {state['every']} steps, outer lr {state['outer_lr']}, momentum {state['momentum']}: {state['rounds_done']} rounds done")
     for row in state["progress"]:
         click.echo(f"  round {row['round']}: {row['paths_in']}/{state['paths']} paths in, outer step {'composed/round-' + str(row['round']) if row['outer_step'] else 'not yet'}")
+    if state.get("dropped"):
+        click.echo(f"  dropped (marked failed): {', '.join(state['dropped'])}; the outer steps average the other paths "
+                   f"(`paths storage release {run} --path {state['dropped'][0]}` takes one back: it resumes from its newest checkpoint)")
 
 
 @click.command("finetune-moe")

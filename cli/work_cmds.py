@@ -23,9 +23,10 @@ def report_options(fn: Any) -> Any:
 @click.option("--path", "path_id", help="Claim this path or domain expert only (default: any claimable one).")
 @click.option("--ttl", default=600.0, show_default=True, help="Lease length in seconds (at least 5); `paths train` renews it every ttl/3 from its start.")
 @click.option("--worker", help="Worker name recorded in the claim (default: hostname-<random>).")
-@click.option("--wait", default=0.0, show_default=True, help="DiLoCo rounds: seconds to keep trying while paths wait for a round's outer step (exit 3 after).")
+@click.option("--wait", default=0.0, show_default=True, help="DiLoCo rounds: seconds to keep trying while paths wait for a round's outer step (exit 75 after, where exit 3 means nothing is left).")
 def claim(run: str, path_id: str | None, ttl: float, worker: str | None, wait: float) -> None:
-    """Claim a path through the store; prints its id. Exit 3 when nothing is left to claim."""
+    """Claim a path through the store; prints its id. Exit 3 when nothing is left to claim, 75
+    when paths wait for a DiLoCo round's outer step (claim again later)."""
     import time
 
     from paths.units import claimable

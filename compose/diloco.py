@@ -20,7 +20,8 @@ import time
 from typing import Any
 
 from paths.errors import ConfigurationError, IntegrityError, NotFound, PathsError, PreconditionFailed
-from paths.work.diloco import base_float32, outer_done, outer_record, published, round_start, settings
+from paths.work.claims import round_owed
+from paths.work.diloco import base_float32, outer_done, outer_record, round_start, settings
 from storage.layout import Run
 
 TTL = 120.0  # seconds the outer step's lock lasts; renewed every TTL/3 while computing, so only a dead holder loses it
@@ -48,7 +49,8 @@ def outer_step(run: Run, r: int, worker: str = "local", ttl: float = TTL) -> dic
         raise IntegrityError(f"{run.url} trains {spec.rounds} DiLoCo rounds; there is no round {r}")
     if outer_done(run, r):
         return _agreed(run, r, computed=False)
-    if set(spec.paths) - published(run, r):
+    members, owed = round_owed(run, r, spec.paths)
+    if owed or not members:  # a path still to come (a failed one is dropped from the round)
         return None
     if r > 1 and not outer_done(run, r - 1):
         raise IntegrityError(f"round {r} of {run.url} is complete but round {r - 1}'s outer step is missing: its paths could not have started round {r}; restore composed/round-{r - 1}/")
@@ -62,7 +64,7 @@ def outer_step(run: Run, r: int, worker: str = "local", ttl: float = TTL) -> dic
     beat = threading.Thread(target=lock.keep, args=(keep,), daemon=True, name="paths-outer-lock")
     beat.start()  # renewed while computing: a slow computation is not taken over, a dead one is
     try:
-        plan = plan_compose(run, f"round-{r}", paths=list(spec.paths), outer_lr=spec.outer_lr, momentum=spec.momentum,
+        plan = plan_compose(run, f"round-{r}", paths=sorted(members), outer_lr=spec.outer_lr, momentum=spec.momentum,
                             previous=f"round-{r - 1}" if r > 1 and spec.momentum > 0 else None, base=round_start(run, r), weights=lambda p: run.diloco(r, p),
                             dtype=None if base_float32(run) else "float32")  # rounds in fp32: a bf16 base would round every outer step away
         execute(run, plan, fence=lock.renew, tensor_hashes=True)

@@ -11,6 +11,7 @@ from storage.errors import (  # noqa: F401
     NotFound,
     PathsError,
     PreconditionFailed,
+    StillWaiting,
     StorageError,
     TransientStorageError,
     UnsupportedOperation,
@@ -18,5 +19,5 @@ from storage.errors import (  # noqa: F401
 
 __all__ = [
     "PathsError", "ConfigurationError", "StorageError", "NotFound", "PreconditionFailed", "UnsupportedOperation",
-    "TransientStorageError", "IntegrityError", "DataError", "FormatVersionError", "LeaseLost", "NothingToClaim",
+    "TransientStorageError", "IntegrityError", "DataError", "FormatVersionError", "LeaseLost", "NothingToClaim", "StillWaiting",
 ]

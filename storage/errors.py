@@ -66,6 +66,13 @@ class NothingToClaim(PathsError):
         self.waiting = waiting
 
 
+class StillWaiting(NothingToClaim):
+    """Nothing to claim yet: paths wait for a DiLoCo round's outer step (exit 75, sysexits'
+    "temporary failure": claim again later), where exit 3 means the run has nothing left."""
+
+    exit_code = 75
+
+
 def no_space(where: str) -> StorageError:
     """ENOSPC, as the one-line error every writer gives."""
     return StorageError(f"no space left on the device of {where}: free space (`paths storage gc RUN --yes` removes stale checkpoints), "

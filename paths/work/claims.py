@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from paths.errors import ConfigurationError, DataError, LeaseLost, NothingToClaim, NotFound, PathsError, PreconditionFailed
+from paths.errors import ConfigurationError, DataError, LeaseLost, NothingToClaim, NotFound, PathsError, PreconditionFailed, StillWaiting
 from storage.layout import Run
 
 STATES = ("claimed", "done", "failed", "open", "waiting")
@@ -197,8 +197,8 @@ def _claim(run: Run, paths: list[str], ttl: float, worker: str, rng: random.Rand
             continue  # another worker won this one: try the next
         return Lease(run, path, worker, ttl, new_etag, new)
     if waiting:
-        raise NothingToClaim(f"nothing to claim in {run.url} now: {waiting} paths wait for a DiLoCo round's outer step, which the worker of the round's last path computes; "
-                             "claim again in a while (`paths claim --wait SECONDS`)", waiting=waiting)
+        raise StillWaiting(f"nothing to claim in {run.url} now: {waiting} paths wait for a DiLoCo round's outer step, which the worker of the round's last path computes; "
+                           "claim again in a while (`paths claim --wait SECONDS`)", waiting=waiting)
     raise NothingToClaim(f"nothing to claim in {run.url}: every path is done, failed or held by a live lease")
 
 
@@ -213,11 +213,29 @@ def round_published(run: Run, r: int) -> set[str]:
     return {o.key[len(prefix):].split("/")[0] for o in run.store.list(run.diloco(r)) if o.key.endswith("/manifest.json") and o.key.count("/") == 3}
 
 
+def round_owed(run: Run, r: int, paths: list[str] | tuple[str, ...]) -> tuple[set[str], set[str]]:
+    """(published, owed) of DiLoCo round r among `paths`: those whose weights for the round are
+    in, and those still to come. A path an admin marked failed (`paths storage release --state
+    failed`) owes nothing: it is dropped from the rounds, as DiLoCo goes on without a worker that
+    left; one listing and a read per path not in."""
+    ins = round_published(run, r) & set(paths)
+    owed = set()
+    for p in set(paths) - ins:
+        record, _ = read_claim(run, p)
+        if record is None or record.get("state") != "failed":
+            owed.add(p)
+    return ins, owed
+
+
 def round_stalled(run: Run, r: int) -> bool:
-    """Every path of DiLoCo round r is in, yet nobody holds a live lock on its outer step (its
-    worker died computing it): a path waiting for it is claimable, and whoever claims it computes it."""
+    """Every path of DiLoCo round r is in (or failed), yet nobody holds a live lock on its outer
+    step (its worker died computing it): a path waiting for it is claimable, and whoever claims it
+    computes it."""
     spec = run.read_meta().get("diloco") or {}
-    if not spec or not set(spec.get("paths", [])) <= round_published(run, r):
+    if not spec:
+        return False
+    ins, owed = round_owed(run, r, spec.get("paths", []))
+    if owed or not ins:
         return False
     try:
         lock = json.loads(run.store.read(f"{run.diloco(r)}/outer.json"))

@@ -35,8 +35,7 @@ import torch
 
 from paths.errors import ConfigurationError, NotFound, PathsError
 from paths.trainer import Callback, Interrupted
-from paths.work.claims import outer_done, read_claim
-from paths.work.claims import round_published as published
+from paths.work.claims import outer_done, read_claim, round_owed
 from storage.layout import Run
 from storage.manifest import ArtifactWriter, read_manifest, read_verified
 
@@ -159,7 +158,7 @@ def await_round(run: Run, r: int, spec: Rounds, outer_step: OuterStep, timeout: 
     while True:
         if outer_done(run, r):
             return True
-        missing = set(spec.paths) - published(run, r)
+        _, missing = round_owed(run, r, spec.paths)
         if not missing and outer_step(run, r, worker) is not None:  # computed here, or found made
             return True
         if missing and not all(holders(run, missing).values()):
@@ -242,11 +241,12 @@ def status(run: Run) -> dict[str, Any] | None:
         return None
     out = []
     for r in range(1, spec.rounds + 1):
-        ins = published(run, r)
+        ins, owed = round_owed(run, r, spec.paths)
         out.append({"round": r, "paths_in": len(ins), "outer_step": outer_done(run, r)})
         if not ins:
             break
-    return {**spec.to_json(), "paths": len(spec.paths), "rounds_done": sum(x["outer_step"] for x in out), "progress": out}
+    dropped = sorted(set(spec.paths) - ins - owed)  # failed: the rounds go on without them
+    return {**spec.to_json(), "paths": len(spec.paths), "rounds_done": sum(x["outer_step"] for x in out), "progress": out, **({"dropped": dropped} if dropped else {})}
 
 
 def outer_record(run: Run, r: int) -> dict[str, Any]:

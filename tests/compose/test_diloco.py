@@ -260,7 +260,38 @@ def test_a_round_whose_outer_step_nobody_computes_is_taken_up_by_the_next_claim(
     with pytest.raises(NothingToClaim, match="4 paths wait for a DiLoCo round's outer step") as nothing:
         claim(run, claimable(run), ttl=60)
     assert nothing.value.waiting == 4
+    out = CliRunner().invoke(main, ["claim", run.url, "--ttl", "60"], env={"PATHS_HOME": str(tmp_path / "home")})
+    assert out.exit_code == 75 and "4 paths wait for a DiLoCo round's outer step" in out.output, out.output  # not 3: the run is not done
     run.store.write("diloco/r1/outer.json", json.dumps({**held, "expires_at": time.time() - 1}).encode())
     lease = claim(run, claimable(run), ttl=60)
     assert lease.record["generation"] == 2
     assert outer_step(run, 1, worker="next")["computed"] is True  # the lock expired: taken over
+
+
+def test_a_path_marked_failed_is_dropped_from_the_rounds_and_the_others_go_on(tmp_path, tokenizer_dir):
+    """An admin marks p03 failed before anyone trains it: the outer steps average the three paths
+    in (its expert keeps the base's values), no round waits for it, and `paths diloco` says so;
+    released again, it trains from the last outer step and the run ends as usual."""
+    from paths.work.claims import release
+
+    run = rounds_run(str(tmp_path / "run"), tokenizer_dir, rounds=2, every=2, outer_lr=1.0, momentum=0.0)
+    release(run, "p03", "failed")
+    summaries = work(run, 4)
+    assert sum("final" in s for s in summaries) == 3
+    state = diloco.status(run)
+    assert state["rounds_done"] == 2 and state["dropped"] == ["p03"] and state["progress"][0]["paths_in"] == 3
+    base, start = tensors(run, "base"), tensors(run, "base")
+    for r in (1, 2):
+        got = tensors(run, run.composed(f"round-{r}"))
+        paths = {p: tensors(run, run.diloco(r, p)) for p in ("p00", "p01", "p02")}
+        name = "model.layers.0.self_attn.q_proj.weight"  # shared: the mean of the three paths in (outer lr 1, no momentum)
+        assert torch.allclose(got[name], torch.stack([paths[p][name] for p in paths]).mean(0), atol=1e-6), r
+        expert = "model.layers.1.block_sparse_moe.experts.3.w1.weight"  # p03's: nobody trained it
+        assert got[expert].equal(base[expert]) and not got[name].equal(start[name])
+        start = got
+    out = CliRunner().invoke(main, ["diloco", run.url])
+    assert out.exit_code == 0 and "dropped (marked failed): p03" in out.output and "round 2: 3/4 paths in, outer step composed/round-2" in out.output, out.output
+
+    release(run, "p03", "open")  # taken back: it trains its rounds against the outer steps already made
+    assert [s["path"] for s in work(run, 4) if "final" in s] == ["p03"]
+    assert read_claim(run, "p03")[0]["state"] == "done" and "dropped" not in diloco.status(run)
