@@ -148,9 +148,9 @@ class S3Store(Store):
             raise
         return out["ETag"]
 
-    def put_if_absent(self, key: str, data: bytes) -> str:
+    def put_if_absent(self, key: str, data: bytes, *, confirm: bool = True) -> str:
         """PUT with If-None-Match: * — exactly one concurrent creator wins."""
-        return self._conditional(key, data, lambda: self._put(key, data, IfNoneMatch="*"))
+        return self._conditional(key, data, lambda: self._put(key, data, IfNoneMatch="*"), confirm)
 
     def put_if_match(self, key: str, data: bytes, etag: str) -> str:
         """PUT with If-Match: etag — fails once anyone else has written the object."""

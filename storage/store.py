@@ -274,8 +274,12 @@ class Store:
         """The object and the etag to pass to `put_if_match`."""
         raise self._no_conditional()
 
-    def put_if_absent(self, key: str, data: bytes) -> str:
-        """Create the object only if nothing is there; returns its etag, else PreconditionFailed."""
+    def put_if_absent(self, key: str, data: bytes, *, confirm: bool = True) -> str:
+        """Create the object only if nothing is there; returns its etag, else PreconditionFailed.
+        `confirm=False`: where a refusal can be ambiguous (S3, see `_conditional`), a refusal of a
+        single attempt is final without reading the object back, one round trip fewer; for a
+        caller that can live with not knowing, rarely, of a write of its own (a claim: that record
+        expires with its ttl and is taken over; nobody ever writes to it thinking it is theirs)."""
         self._check_writable(key)
         raise self._no_conditional()
 
@@ -284,15 +288,25 @@ class Store:
         self._check_writable(key)
         raise self._no_conditional()
 
-    def _conditional(self, key: str, data: bytes, attempt: Callable[[], str]) -> str:
+    def _conditional(self, key: str, data: bytes, attempt: Callable[[], str], confirm: bool = True) -> str:
         """Run a conditional write with retries; a 412 may answer our own earlier attempt that the
         server applied but whose reply was lost (retried here, or inside the client library), so
         on a 412 the content decides: exactly our bytes there means the write is ours. Even a 412 to
         the first attempt needs the read: aiohttp resends an idempotent PUT by itself when a kept-
-        alive connection drops, so the first attempt may have reached the server twice."""
+        alive connection drops, so the first attempt may have reached the server twice. Without
+        `confirm`, a 412 to the first attempt is taken as it reads (that case aside)."""
+        tries = 0
+
+        def counted() -> str:
+            nonlocal tries
+            tries += 1
+            return attempt()
+
         try:
-            return self._call(key, attempt)
+            return self._call(key, counted)
         except PreconditionFailed as exc:
+            if not confirm and tries == 1:
+                raise
             refused = exc
         # read outside the except block: a failure of the read must not carry the 412 as its context
         # (a chained 412 would make a timeout of the read look permanent to the retry policy)
@@ -434,8 +448,9 @@ class LocalStore(Store):
         data = self.read(key)
         return data, content_etag(data)
 
-    def put_if_absent(self, key: str, data: bytes) -> str:
-        """Write a complete temp file, then link(2) it to the key: fails if the key exists."""
+    def put_if_absent(self, key: str, data: bytes, *, confirm: bool = True) -> str:
+        """Write a complete temp file, then link(2) it to the key: fails if the key exists (never
+        ambiguously: `confirm` changes nothing)."""
         self._check_writable(key)
         path = self.path(key)
 
@@ -555,8 +570,8 @@ class MemoryStore(Store):
             data = self.read(key)
         return data, content_etag(data)
 
-    def put_if_absent(self, key: str, data: bytes) -> str:
-        """Create under the lock, or PreconditionFailed."""
+    def put_if_absent(self, key: str, data: bytes, *, confirm: bool = True) -> str:
+        """Create under the lock, or PreconditionFailed (never ambiguously: `confirm` changes nothing)."""
         self._check_writable(key)
         with self._lock:
             if self.fs.exists(self.path(key)):

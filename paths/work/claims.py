@@ -30,7 +30,7 @@ from storage.layout import Run
 
 STATES = ("claimed", "done", "failed", "open", "waiting")
 MIN_TTL = 5.0  # seconds: `paths train` takes about 1 s from start to its first renewal, then renews every ttl/3
-PROBES = 4  # records read one by one before one listing of claims/ (a listing costs about 8 reads)
+PROBES = 2  # create-only guesses before one listing of claims/ (a listing costs 2-3 of them)
 HISTORY = 32  # tenures kept in a claim record's history
 GRACE = (0.1, 0.25)  # a takeover waits this share of the holder's ttl past expiry (jittered, at most 30 s)
 
@@ -134,8 +134,10 @@ def claimable(record: dict[str, Any] | None, now: float, ready: Callable[[int], 
 def claim(run: Run, paths: list[str], *, ttl: float = 600, worker: str | None = None, rng: random.Random | None = None, wait: float = 0.0) -> Lease:
     """Claim one of `paths`: the first claimable one in a random order (so racing workers rarely
     collide), by create-only put or by takeover of an expired / released record. Round trips: the
-    first try is a create-only put alone; then a read and a conditional put per path; past PROBES
-    tries, one listing of claims/, and a create-only put straight away where it shows no record.
+    first PROBES tries are a create-only put alone each (a refusal is not read back: should the
+    HTTP client have resent our put by itself, the record we do not know is ours expires with its
+    ttl and is taken over; nobody writes to it meanwhile); then one listing of claims/, a
+    create-only put where it shows no record, and a read and a conditional put per path with one.
     `wait`: seconds to keep trying while paths wait for a DiLoCo round's outer step."""
     if ttl <= 0:
         raise ConfigurationError(f"--ttl must be > 0 seconds, got {ttl}")
@@ -162,13 +164,16 @@ def _claim(run: Run, paths: list[str], ttl: float, worker: str, rng: random.Rand
 
     waiting = 0
     recorded: set[str] | None = None  # paths with a claim record, once listed
+    guessed: set[str] = set()
     i = 0
     while i < len(order):
         if i == PROBES and recorded is None:  # a few held ones in a row: one listing finds those nobody claimed yet
             listed = {o.key for o in run.store.list("claims")}
             recorded = {p for p in paths if run.claim(p) in listed}
             order[i:] = sorted(order[i:], key=lambda p: p in recorded)  # stable: still in random order, the unrecorded first
-        path, guess = order[i], i == 0 and recorded is None  # the first try guesses "nobody claimed it": one create-only put
+        path = order[i]
+        guess = recorded is None and path not in guessed  # a try before the listing guesses "nobody claimed it": one create-only put
+        guessed.add(path)
         i += 1
         record, etag = (None, None) if guess or (recorded is not None and path not in recorded) else read_claim(run, path)
         now = time.time()
@@ -188,7 +193,7 @@ def _claim(run: Run, paths: list[str], ttl: float, worker: str, rng: random.Rand
                     new[k] = record[k]
         try:
             if record is None:
-                new_etag = run.store.put_if_absent(run.claim(path), _dump(new))
+                new_etag = run.store.put_if_absent(run.claim(path), _dump(new), confirm=False)  # a refusal is not read back (see the docstring)
             else:
                 new_etag = run.store.put_if_match(run.claim(path), _dump(new), etag)
         except (PreconditionFailed, NotFound):

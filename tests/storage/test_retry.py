@@ -108,3 +108,21 @@ def test_lost_race_is_not_retried(s3store):
     with pytest.raises(PreconditionFailed):
         s3store.put_if_absent("claims/p0.json", b"mine")
     assert flaky.calls == 1
+
+
+def test_a_refusal_read_back_only_when_it_may_answer_our_own_write(s3store):
+    """confirm=False (claims): a 412 to the only attempt is final, no read; a 412 after a retried
+    attempt is still read back, since the first may have landed."""
+    s3store.put_if_absent("claims/p0.json", b"theirs")
+    reads = []
+    real = s3store.read_with_etag
+    s3store.read_with_etag = lambda key: reads.append(key) or real(key)
+    with pytest.raises(PreconditionFailed):
+        s3store.put_if_absent("claims/p0.json", b"mine", confirm=False)
+    assert reads == []
+    with pytest.raises(PreconditionFailed):
+        s3store.put_if_absent("claims/p0.json", b"mine")
+    assert reads == ["claims/p0.json"]
+    s3store.fs.call_s3 = Flaky(s3store.fs, "put_object", 1, ConnectionResetError(104, "reset"), after_call=True)
+    etag = s3store.put_if_absent("claims/p1.json", b"mine", confirm=False)  # landed, reply lost, retried: 412, read back, ours
+    assert s3store.read_with_etag("claims/p1.json") == (b"mine", etag)
