@@ -5,10 +5,14 @@
 1. Tokens/s: ours (`paths.train.train`, with a claim and its heartbeat) and HF `Trainer` train the
    same dense path (small-mixtral preset, ~4.5M parameters) for the same steps, batch, sequence
    length and windows, with fused AdamW, warmup + cosine, clipping 1.0, fp32 on CPU, no evaluation
-   and no checkpoints during the timed part. One run of each moves +-10% between runs on a 2-core
-   machine, so they alternate `--repeats` times (the first of each pair alternating too; the
-   path starts afresh each time): printed, the median tokens/s of each and the ratio of the
-   medians (goal >= 1.1), with every pair's ratio.
+   and no checkpoints during the timed part. Each run is a process of its own, as a user runs
+   either (`paths train` sets glibc's allocator to keep freed memory on a CPU: paths/allocator.py;
+   a script calling Trainer.train() does not), with its imports made before the clock; a third
+   arm runs HF Trainer after the same allocator setting. One run of each moves +-10% between runs
+   on a 2-core machine, so they alternate `--repeats` times (who goes first alternating too; the
+   path starts afresh each time): printed, the median tokens/s of each, the ratio of the medians
+   (goal >= 1.1) for the whole `train()` call and for its step loop alone, every pair's ratio, and
+   ours against HF Trainer given the same allocator.
 2. Checkpoint: seconds and bytes of one committed checkpoint (model + AdamW state + state.json).
 3. Claims: 16 processes claim paths of a 256-path plan on SeaweedFS until none is left; p50 and
    p99 of one successful `claim()`, and its round trips to the store (reads, conditional PUTs, listings).
@@ -23,6 +27,7 @@ import multiprocessing as mp
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -94,8 +99,8 @@ def hf_trainer(run, cfg, work: str) -> float:
     rows = []
     for sample in windows:
         t = sample["tokens"]
-        labels = t[1:].clone()
-        labels[int(sample["valid"]) - 1 :] = -100
+        labels = t[:-1].clone()  # the model shifts them: position i learns token i + 1, as ours
+        labels[int(sample["valid"]) :] = -100
         rows.append({"input_ids": t[:-1], "labels": labels})
         if len(rows) == n:
             break
@@ -118,6 +123,32 @@ def hf_trainer(run, cfg, work: str) -> float:
     t = time.perf_counter()
     trainer.train()
     return time.perf_counter() - t
+
+
+def one_run(args) -> dict:
+    """One arm's run in this process, as a user runs it (`paths train`, or a script calling
+    Trainer.train()); hf-malloc: HF Trainer after our allocator setting (paths/allocator.py)."""
+    from paths.train_config import load_config
+    from storage.layout import open_run
+
+    run = open_run(os.path.join(args.work, "run"))
+    cfg = load_config(sets=[f"seq_len={args.seq_len}", f"batch_size={args.batch}", "warmup_steps=3"], steps=args.steps, checkpoint_every=args.steps // 2)
+    tokens = args.steps * args.batch * args.seq_len
+    if args.arm != "ours":
+        if args.arm == "hf-malloc":
+            from paths.allocator import keep_freed_memory
+
+            assert keep_freed_memory(), "glibc's mallopt refused the setting"
+        return {"tok_s": tokens / hf_trainer(run, cfg, args.work)}
+    import transformers.models.mistral.modeling_mistral  # noqa: F401  imported before the clock, as the HF arm's are
+    from paths.work.train import train  # noqa: F401
+
+    run.store.delete(run.claim(PATH))  # the path afresh: no claim, no work, no final
+    run.store.delete_prefix(run.work(PATH))
+    run.store.delete_prefix(run.final(PATH))
+    seconds, summary = ours(run, cfg)
+    loop = json.loads(run.store.read(f"work/{PATH}/metrics.jsonl").decode().splitlines()[-1])["tokens_per_s"]
+    return {"tok_s": tokens / seconds, "loop_tok_s": loop, "checkpoint": summary["checkpoint"]}
 
 
 def _claimer(url: str, options: dict, ids: list[str], barrier, results) -> None:
@@ -179,6 +210,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each (medians reported)")
     parser.add_argument("--claims-only", action="store_true", help="only part 3, the claims on SeaweedFS")
+    parser.add_argument("--arm", choices=["ours", "hf", "hf-malloc"], help=argparse.SUPPRESS)  # one run in a process of its own (the bench starts them)
     args = parser.parse_args()
     if args.claims_only:
         os.makedirs(args.work, exist_ok=True)
@@ -186,32 +218,30 @@ def main() -> None:
         print(f"claims on SeaweedFS, 16 claimers, {out['paths']} paths: p50 {out['claim_p50_ms']:.1f} ms, p99 {out['claim_p99_ms']:.1f} ms; "
               f"round trips a claim {out['claim_round_trips_mean']:.2f} (max {out['claim_round_trips_max']})")
         return
-    from paths.train_config import load_config
-
+    if args.arm:  # one timed run in this fresh process, over the run `build` made; its figures as one JSON line
+        print(json.dumps(one_run(args)))
+        return
     shutil.rmtree(args.work, ignore_errors=True)
     os.makedirs(args.work)
-    home = tempfile.mkdtemp()
-    os.environ["PATHS_HOME"] = home
-    run = build(args.work, args.steps)
-    cfg = load_config(sets=[f"seq_len={args.seq_len}", f"batch_size={args.batch}", "warmup_steps=3"], steps=args.steps, checkpoint_every=args.steps // 2)
+    build(args.work, args.steps)
     tokens = args.steps * args.batch * args.seq_len
-    hf, mine, loop = [], [], []
+    runs: dict[str, list[dict]] = {"ours": [], "hf": [], "hf-malloc": []}
     for r in range(args.repeats):
-        for side in (("hf", "ours") if r % 2 == 0 else ("ours", "hf")):
-            if side == "hf":
-                hf.append(tokens / hf_trainer(run, cfg, args.work))
-                continue
-            run.store.delete(run.claim(PATH))  # the path afresh: no claim, no work, no final
-            run.store.delete_prefix(run.work(PATH))
-            run.store.delete_prefix(run.final(PATH))
-            ours_s, summary = ours(run, cfg)
-            mine.append(tokens / ours_s)
-            loop.append(json.loads(run.store.read(f"work/{PATH}/metrics.jsonl").decode().splitlines()[-1])["tokens_per_s"])
+        for arm in (("hf", "ours", "hf-malloc") if r % 2 == 0 else ("hf-malloc", "ours", "hf")):
+            cmd = [sys.executable, os.path.abspath(__file__), "--arm", arm, "--work", args.work, "--steps", str(args.steps), "--seq-len", str(args.seq_len), "--batch", str(args.batch)]
+            out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PATHS_HOME": tempfile.mkdtemp()})
+            if out.returncode:
+                raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
+            runs[arm].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    mine, hf, hf_malloc = ([x["tok_s"] for x in runs[a]] for a in ("ours", "hf", "hf-malloc"))
+    loop = [x["loop_tok_s"] for x in runs["ours"]]
+    summary = runs["ours"][-1]
     ck = summary["checkpoint"]
     result = {
         "steps": args.steps, "seq_len": args.seq_len, "batch": args.batch, "tokens": tokens, "cpus": os.cpu_count(), "repeats": args.repeats,
         "ours_tok_s": statistics.median(mine), "hf_trainer_tok_s": statistics.median(hf), "ratio": statistics.median(mine) / statistics.median(hf), "pair_ratios": [o / h for o, h in zip(mine, hf)],
         "ours_all": mine, "hf_all": hf, "checkpoint_s": ck.get("seconds"), "checkpoint_bytes": ck.get("bytes"), "ours_loop_tok_s": statistics.median(loop),
+        "hf_malloc_tok_s": statistics.median(hf_malloc), "hf_malloc_all": hf_malloc, "ratio_same_allocator": statistics.median(mine) / statistics.median(hf_malloc),
     }
     result["loop_ratio"] = result["ours_loop_tok_s"] / result["hf_trainer_tok_s"]
     result |= claims_on_seaweed(args.work)
@@ -219,6 +249,7 @@ def main() -> None:
     print(f"paths train (whole call: materialize, claim heartbeat, 1 checkpoint, final) {result['ours_tok_s']:>9,.0f} tok/s")
     print(f"HF Trainer.train() (no checkpoints)                                  {result['hf_trainer_tok_s']:>9,.0f} tok/s   ratio {result['ratio']:.2f} (goal >= 1.1)")
     print(f"paths train, the step loop alone (from metrics.jsonl)                {result['ours_loop_tok_s']:>9,.0f} tok/s   ratio {result['loop_ratio']:.2f}")
+    print(f"HF Trainer.train() given our allocator setting (paths/allocator.py) {result['hf_malloc_tok_s']:>9,.0f} tok/s   ours / it {result['ratio_same_allocator']:.2f}")
     print("each pair's ratio: " + ", ".join(f"{x:.2f}" for x in result["pair_ratios"]))
     print(f"checkpoint: {result['checkpoint_s']:.3f} s, {result['checkpoint_bytes']:,} bytes")
     print(f"claims on SeaweedFS, 16 claimers, {result['paths']} paths: p50 {result['claim_p50_ms']:.1f} ms, p99 {result['claim_p99_ms']:.1f} ms; "

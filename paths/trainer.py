@@ -30,6 +30,7 @@ import torch
 
 from paths import checkpoint, fsdp
 from paths.adapters import adapter_state, is_adapted, load_adapter_state
+from paths.allocator import keep_freed_memory
 from paths.errors import ConfigurationError, LeaseLost, PathsError
 from paths.threads import Threads
 from paths.train_config import TrainConfig
@@ -257,6 +258,8 @@ class Trainer:
         self.metrics: list[dict[str, Any]] = []
         self.main = acc.is_main_process
         self.threads = Threads()  # on a CPU: torch's threads kept to the cores other processes leave free
+        if acc.device.type == "cpu":
+            keep_freed_memory()  # large tensors from the heap, not an mmap() each step (paths/allocator.py)
 
     # -- the loop ---------------------------------------------------------------------------------
     def fit(self) -> Result:
