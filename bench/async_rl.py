@@ -67,7 +67,7 @@ def async_arm(work: str, run: str, path: str, steps: int, batch: int, lr: float,
     procs = [("trainer", paths_cmd(*trainer_args(run, path, steps, batch, lr, *extra), env=env(f"t-{path}{tag}", work, 1), wait=False, cpus=TRAINER_CPUS))]
     for w in range(workers):
         procs.append((f"worker {w}", paths_cmd("rollout", run, "--path", path, "--dataset", "rl", "--key", keys[w], "--dtype", dtype, "--batches", str(10 * steps), *REWARDS,
-                                               *sets(batch, lr), "--no-progress", env=env(f"w-{path}-{w}{tag}", work, 1), wait=False, cpus=WORKER_CPUS)))
+                                               *sets(batch, lr, *(e for e in extra if e.startswith("max_new_tokens="))), "--no-progress", env=env(f"w-{path}-{w}{tag}", work, 1), wait=False, cpus=WORKER_CPUS)))
     finish(procs)
     return time.time() - t0
 
@@ -138,6 +138,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--int8-presets", default="mini-mixtral,small-mixtral,bench-mixtral", help="presets of the int8-by-width measurement (empty: skip it)")
     ap.add_argument("--only-int8", action="store_true", help="run only the int8-by-width measurement")
+    ap.add_argument("--levels", default="1,2", help="arithmetic steps of the tasks beyond the first (gen-tasks --levels): 3 gives worked solutions about twice as long")
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="completion budget of trainers and workers (48-64 for --levels 3)")
     a = ap.parse_args()
     widths = [p for p in a.int8_presets.split(",") if p]
     workers = [int(k) for k in a.workers.split(",") if k]
@@ -150,10 +152,10 @@ def main() -> None:
     shutil.rmtree(a.work, ignore_errors=True)
     os.makedirs(a.work)
     out: dict = {"at": time.time(), "args": vars(a)}
-    tasks, seed_dir = sft_seed(a.work, a.prompts, a.seed_steps)
+    tasks, seed_dir = sft_seed(a.work, a.prompts, a.seed_steps, levels=a.levels, seq_len=96 if a.max_new_tokens <= 32 else 128)
 
     # 1. what a rollout machine buys: sync on one core, against 1, 2, 4 workers on the other
-    held = ["eval_every=10", "eval_prompts=64"]
+    held = ["eval_every=10", "eval_prompts=64", f"max_new_tokens={a.max_new_tokens}"]
     sync_run = new_run(a.work, "sync", tasks, seed_dir)
     paths_cmd("claim", sync_run, "--path", "p00", "--worker", "sync", env=env("sync", a.work, 1))
     t0 = time.time()
@@ -176,6 +178,7 @@ def main() -> None:
         row["median_step_s"] = statistics.median(d for _, d in plain)
         if name == "sync":  # a synchronous step samples, then trains: what a rollout machine can take off it
             row["sampling_share"] = sum(a.batch * 8 / m["completions_per_s"] for m, _ in plain) / sum(d for _, d in plain)
+            row["completion_length"] = statistics.mean(m["completion_length"] for m in ms)
             row["speedup_bound"] = 1 / (1 - row["sampling_share"])
         else:
             row |= {"own_steps": sum(m["own_batches"] for m in ms), "policy_lag": sum(m["policy_lag"] for m in ms) / len(ms),
@@ -225,7 +228,7 @@ def main() -> None:
     sy = machine["sync"]
     print(f"\n1. what a rollout machine buys (p00, {a.steps} steps x {a.batch} prompts x 8; trainer on core 0, workers on core 1, one thread each); "
           f"to held-out reward {target:.3f}:")
-    print(f"   sync, one core: {sy['wall_s']:.0f}s ({sy['completions_per_s']:.1f} completions/s; a step {sy['median_step_s']:.2f}s, {sy['sampling_share']:.0%} of it sampling: "
+    print(f"   sync, one core: {sy['wall_s']:.0f}s ({sy['completions_per_s']:.1f} completions/s of {sy['completion_length']:.0f} tokens; a step {sy['median_step_s']:.2f}s, {sy['sampling_share']:.0%} of it sampling: "
           f"a rollout machine can buy at most {sy['speedup_bound']:.2f}x), to target {sy['to_target_s']:.0f}s")
     for k in workers:
         m = machine[str(k)]

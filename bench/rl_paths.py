@@ -121,19 +121,20 @@ def in_pairs(jobs: list[tuple[str, list[str], dict]], width: int, then: Callable
     return done
 
 
-def sft_seed(work: str, prompts: int, seed_steps: int, preset: str = "mini-mixtral") -> tuple[str, str]:
-    """The SFT cold start: every family's worked solutions learnt by one dense path (tasks, seed folder)."""
+def sft_seed(work: str, prompts: int, seed_steps: int, preset: str = "mini-mixtral", levels: str = "1,2", seq_len: int = 96) -> tuple[str, str]:
+    """The SFT cold start: every family's worked solutions learnt by one dense path (tasks, seed
+    folder); `levels`: steps of arithmetic a task takes beyond the first (gen-tasks --levels)."""
     tasks = os.path.join(work, "tasks.jsonl")
     seed_run, seed_dir = os.path.join(work, "seed"), os.path.join(work, "seed-p00")
     all_p00 = os.path.join(work, "all-p00.json")
     json.dump({f: "p00" for f in FAMILIES}, open(all_p00, "w"))
-    paths_cmd("gen-tasks", "arithmetic", "--n", str(prompts), "--levels", "1,2", "--families", ",".join(FAMILIES), "--max-operand", "9", "--out", tasks)
+    paths_cmd("gen-tasks", "arithmetic", "--n", str(prompts), "--levels", levels, "--families", ",".join(FAMILIES), "--max-operand", "9", "--out", tasks)
     paths_cmd("init", seed_run, "--preset", preset)
     paths_cmd("decompose", seed_run, "--levels", "1")
     paths_cmd("shard", seed_run, "--dataset", "sft", "--input", tasks, *PROMPTS, "--answer-field", "solution", "--router", "domain", "--domain-field", "family", "--domain-map", all_p00)
     paths_cmd("claim", seed_run, "--path", "p00", env=env("seed", work, 2))
     paths_cmd("train", seed_run, "--mode", "sft", "--dataset", "sft", "--steps", str(seed_steps), "--checkpoint-every", "0", "--no-progress",
-              "--set", "seq_len=96", "--set", "batch_size=16", "--set", "warmup_steps=10", "--set", "lr=3e-3", "--set", "weight_decay=0", env=env("seed", work, 2))
+              "--set", f"seq_len={seq_len}", "--set", "batch_size=16", "--set", "warmup_steps=10", "--set", "lr=3e-3", "--set", "weight_decay=0", env=env("seed", work, 2))
     paths_cmd("materialize", seed_run, "--path", "p00", "--final", "--out", seed_dir)
     return tasks, seed_dir
 

@@ -229,7 +229,8 @@ def main() -> None:
     for r in range(args.repeats):
         for arm in (("hf", "ours", "hf-malloc") if r % 2 == 0 else ("hf-malloc", "ours", "hf")):
             cmd = [sys.executable, os.path.abspath(__file__), "--arm", arm, "--work", args.work, "--steps", str(args.steps), "--seq-len", str(args.seq_len), "--batch", str(args.batch)]
-            out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PATHS_HOME": tempfile.mkdtemp()})
+            with tempfile.TemporaryDirectory() as home:  # the run's own claim file
+                out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PATHS_HOME": home})
             if out.returncode:
                 raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
             runs[arm].append(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -158,10 +158,13 @@ def diloco(run: str, rounds: int | None, inner_steps: int | None, outer_lr: floa
         return
     click.echo(f"{state['paths']} paths, {state['rounds']} rounds of {state['every']} steps, outer lr {state['outer_lr']}, momentum {state['momentum']}: {state['rounds_done']} rounds done")
     for row in state["progress"]:
-        click.echo(f"  round {row['round']}: {row['paths_in']}/{state['paths']} paths in, outer step {'composed/round-' + str(row['round']) if row['outer_step'] else 'not yet'}")
+        late = row["paths_in"] - len(row.get("averaged", [])) if row["outer_step"] else 0
+        click.echo(f"  round {row['round']}: {row['paths_in']}/{state['paths']} paths in, outer step {'composed/round-' + str(row['round']) if row['outer_step'] else 'not yet'}"
+                   + (f" ({len(row['averaged'])} averaged, {late} in after it)" if late else ""))
     if state.get("dropped"):
-        click.echo(f"  dropped (marked failed): {', '.join(state['dropped'])}; the outer steps average the other paths "
-                   f"(`paths storage release {run} --path {state['dropped'][0]}` takes one back: it resumes from its newest checkpoint)")
+        click.echo(f"  dropped (marked failed): {', '.join(state['dropped'])}; the outer steps average the other paths. `paths storage release {run} --path "
+                   f"{state['dropped'][0]}` takes one back: it resumes from its newest checkpoint and syncs to the outer steps already made, "
+                   "its work in those rounds left out of them, and the rounds still to come wait for it")
 
 
 @click.command("finetune-moe")

@@ -3,7 +3,8 @@ run through the click app in this process, so the command printed is the command
 
 A stage is a `Command` (one argv), a `WorkerLoop` (`while paths claim ...; do paths train ...;
 done`: the one worker loop, exit 3 ends it), a `ForEach` of commands (one claim-and-train per
-owner), or an `Action` for what is not a `paths` command (writing a corpus found on the machine,
+owner), a `Parallel` of lanes (machines: each its commands in turn, with its own environment),
+or an `Action` for what is not a `paths` command (writing a corpus found on the machine,
 loading a path with stock transformers, scoring a path's held-out reward). Arguments that depend
 on the run (the path GRPO trains) are computed when the stage runs. Running a scenario again reuses
 what the run already holds.
@@ -127,8 +128,12 @@ def title(stage: Stage) -> str:
         return "paths " + shlex.join(stage.line()) + (f"   {stage.note}" if stage.note and stage.note.startswith("(") else "")
     if isinstance(stage, WorkerLoop):
         return f"while paths {shlex.join(stage.claim)}; do paths {shlex.join(stage.train)}; done" + (f"   {stage.note}" if stage.note else "")
-    if isinstance(stage, Parallel):
-        lanes = ["(" + " && ".join("paths " + shlex.join(a) for a in argvs) + ")" for argvs in stage.lanes.values()]
+    if isinstance(stage, Parallel):  # each command with its lane's environment: two lanes sharing one claim file would train one path twice
+        def lane(name: str, argvs: list[list[str]]) -> str:
+            env = "".join(f"{k}={shlex.quote(v)} " for k, v in stage.env.get(name, {}).items())
+            return "(" + " && ".join(f"{env}paths {shlex.join(a)}" for a in argvs) + ")"
+
+        lanes = [lane(name, argvs) for name, argvs in stage.lanes.items()]
         return " &\n  ".join(lanes) + " &\n  wait" + (f"   {stage.note}" if stage.note else "")
     if isinstance(stage, ForEach):
         claim = shlex.join(stage.claim("$P")).replace("'$P'", "$P")

@@ -50,6 +50,7 @@ def merged(run: Run, family: Family, base: TensorEntry, sources: Sources | dict[
         delta = torch.zeros(base_t.shape, dtype=torch.float32)
         copied: dict[int, torch.Tensor] = {}
         used: set[str] = set()
+        idle: list[int] = []  # slices no path fed
         for e in range(base_t.shape[0]):
             here = sources[e]
             if plain and len(here) == 1:
@@ -60,9 +61,11 @@ def merged(run: Run, family: Family, base: TensorEntry, sources: Sources | dict[
             if d is not None:
                 delta[e] = d
                 used.update(names)
+            else:
+                idle.append(e)
         touched = sorted(used)
         if not touched:
-            return base_t, None, []
+            return base_t, (m_prev if momentum > 0 else None), []
         if plain:
             new = (base_t.float() + delta).to(out_dtype)
             for e, value in copied.items():
@@ -72,11 +75,17 @@ def merged(run: Run, family: Family, base: TensorEntry, sources: Sources | dict[
         if plain and len(sources) == 1:
             return _value(run, sources[0][1]).to(out_dtype), None, [sources[0][0].path]
         delta, touched = _mean_delta(run, base_t.float(), sources)
-    if not touched:
-        return base_t, None, []
+        idle = []
+    if not touched:  # nobody fed it (a path dropped from DiLoCo rounds): its value, and its momentum for when one does
+        return base_t, (m_prev if momentum > 0 else None), []
     m = delta if m_prev is None else momentum * m_prev + delta
     update = delta + momentum * m if momentum > 0 else delta
-    return (base_t.float() + outer_lr * update).to(out_dtype), (m if momentum > 0 else None), touched
+    new = base_t.float() + outer_lr * update
+    if idle:  # expert slices nobody fed: as they were, value and momentum (not moved by the momentum alone)
+        new[idle] = base_t[idle].float()
+        if momentum > 0:
+            m[idle] = m_prev[idle] if m_prev is not None else 0.0
+    return new.to(out_dtype), (m if momentum > 0 else None), touched
 
 
 def _value(run: Run, entry: TensorEntry) -> torch.Tensor:
@@ -138,8 +147,8 @@ def execute(run: Run, plan: ComposePlan, fence: Callable[[], None] | None = None
                 new, m, used = merged(run, family, entry, plan.sources[entry.name], plan.outer_lr, plan.momentum, m_prev.get(entry.name), target)
                 if used:
                     contributors[entry.name] = used
-                    if m is not None:
-                        new_momentum[entry.name] = m.contiguous()
+                if m is not None:  # a tensor nobody fed keeps the momentum it had
+                    new_momentum[entry.name] = m.contiguous()
                 role = family.classify(entry.name)
                 if role.kind == "router" and rows is not None:  # new rows: the extras fitted to the old ones (a bias) start at zero
                     new = rows[role.layer] if role.part != "extra" else torch.zeros_like(new)

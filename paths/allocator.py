@@ -9,6 +9,11 @@ therefore, on glibc, serves blocks up to 1 GiB from the heap and keeps up to 1 G
 as PyTorch's CPU tuning guide gets from jemalloc or tcmalloc: the memory a step frees is reused by
 the next, at the cost of that much resident memory kept between steps. PATHS_MALLOC=system leaves
 the allocator as it is.
+
+The setting is the process's, from the trainer's start to its exit (in-process callers such as
+the quickstart and the test suite keep it after the trainer returns); the heap keeps its peak
+(a checkpoint's buffers included) rather than exactly 1 GiB; blocks over 64 MiB allocated from a
+thread other than the main one still get an mmap() (glibc's other arenas cap their heaps there).
 """
 
 from __future__ import annotations
@@ -33,4 +38,5 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, KEEP)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP))
+    mapped, trimmed = mallopt(M_MMAP_THRESHOLD, KEEP), mallopt(M_TRIM_THRESHOLD, KEEP)
+    return bool(mapped and trimmed)

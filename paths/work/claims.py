@@ -134,10 +134,12 @@ def claimable(record: dict[str, Any] | None, now: float, ready: Callable[[int], 
 def claim(run: Run, paths: list[str], *, ttl: float = 600, worker: str | None = None, rng: random.Random | None = None, wait: float = 0.0) -> Lease:
     """Claim one of `paths`: the first claimable one in a random order (so racing workers rarely
     collide), by create-only put or by takeover of an expired / released record. Round trips: the
-    first PROBES tries are a create-only put alone each (a refusal is not read back: should the
-    HTTP client have resent our put by itself, the record we do not know is ours expires with its
-    ttl and is taken over; nobody writes to it meanwhile); then one listing of claims/, a
-    create-only put where it shows no record, and a read and a conditional put per path with one.
+    first PROBES tries are a create-only put alone each (a refusal is not read back at once: the
+    path goes to the end of the order, and if its record, read then, is the one this guess tried to
+    create, the HTTP client resent our put by itself and the claim is ours; a record of ours never
+    read again expires with its ttl and is taken over, nobody writing to it meanwhile); then one
+    listing of claims/, a create-only put where it shows no record, and a read and a conditional
+    put per path with one.
     `wait`: seconds to keep trying while paths wait for a DiLoCo round's outer step."""
     if ttl <= 0:
         raise ConfigurationError(f"--ttl must be > 0 seconds, got {ttl}")
@@ -164,7 +166,7 @@ def _claim(run: Run, paths: list[str], ttl: float, worker: str, rng: random.Rand
 
     waiting = 0
     recorded: set[str] | None = None  # paths with a claim record, once listed
-    guessed: set[str] = set()
+    guessed: dict[str, bytes] = {}  # path -> the record a refused guess tried to create
     i = 0
     while i < len(order):
         if i == PROBES and recorded is None:  # a few held ones in a row: one listing finds those nobody claimed yet
@@ -173,9 +175,10 @@ def _claim(run: Run, paths: list[str], ttl: float, worker: str, rng: random.Rand
             order[i:] = sorted(order[i:], key=lambda p: p in recorded)  # stable: still in random order, the unrecorded first
         path = order[i]
         guess = recorded is None and path not in guessed  # a try before the listing guesses "nobody claimed it": one create-only put
-        guessed.add(path)
         i += 1
         record, etag = (None, None) if guess or (recorded is not None and path not in recorded) else read_claim(run, path)
+        if path in guessed and record is not None and _dump(record) == guessed[path]:  # our refused guess was ours after all (a resent put)
+            return Lease(run, path, worker, ttl, etag, record)
         now = time.time()
         if not claimable(record, now, ready) or (record is not None and record.get("state") == "claimed" and now < takeover_at(record, rng)):
             waiting += record is not None and record.get("state") == "waiting"
@@ -193,12 +196,13 @@ def _claim(run: Run, paths: list[str], ttl: float, worker: str, rng: random.Rand
                     new[k] = record[k]
         try:
             if record is None:
-                new_etag = run.store.put_if_absent(run.claim(path), _dump(new), confirm=False)  # a refusal is not read back (see the docstring)
+                new_etag = run.store.put_if_absent(run.claim(path), _dump(new), confirm=not guess)  # a refused guess is not read back here (see the docstring)
             else:
                 new_etag = run.store.put_if_match(run.claim(path), _dump(new), etag)
         except (PreconditionFailed, NotFound):
             if guess:
-                order.append(path)  # it has a record after all: read it in its turn (it may be expired or open)
+                guessed[path] = _dump(new)
+                order.append(path)  # it has a record after all: read it in its turn (it may be expired or open, or this very guess)
             continue  # another worker won this one: try the next
         return Lease(run, path, worker, ttl, new_etag, new)
     if waiting:

@@ -235,14 +235,16 @@ def finish_round(run: Run, path_id: str, spec: Rounds, outer_step: OuterStep, mo
 
 
 def status(run: Run) -> dict[str, Any] | None:
-    """Round by round: paths in, outer step done (for `paths status` and `paths diloco`)."""
+    """Round by round: paths in, outer step done and the paths it averaged (for `paths diloco`);
+    the paths marked failed, dropped from the rounds."""
     spec = settings(run)
     if spec is None:
         return None
     out = []
     for r in range(1, spec.rounds + 1):
         ins, owed = round_owed(run, r, spec.paths)
-        out.append({"round": r, "paths_in": len(ins), "outer_step": outer_done(run, r)})
+        done = outer_done(run, r)
+        out.append({"round": r, "paths_in": len(ins), "outer_step": done, **({"averaged": sorted(outer_record(run, r)["paths"])} if done else {})})
         if not ins:
             break
     dropped = sorted(set(spec.paths) - ins - owed)  # failed: the rounds go on without them

@@ -271,7 +271,8 @@ def test_a_round_whose_outer_step_nobody_computes_is_taken_up_by_the_next_claim(
 def test_a_path_marked_failed_is_dropped_from_the_rounds_and_the_others_go_on(tmp_path, tokenizer_dir):
     """An admin marks p03 failed before anyone trains it: the outer steps average the three paths
     in (its expert keeps the base's values), no round waits for it, and `paths diloco` says so;
-    released again, it trains from the last outer step and the run ends as usual."""
+    released again, it trains its rounds from base/, syncing to the outer steps already made (its
+    work in them left out), and the run ends as usual."""
     from paths.work.claims import release
 
     run = rounds_run(str(tmp_path / "run"), tokenizer_dir, rounds=2, every=2, outer_lr=1.0, momentum=0.0)
@@ -295,3 +296,35 @@ def test_a_path_marked_failed_is_dropped_from_the_rounds_and_the_others_go_on(tm
     release(run, "p03", "open")  # taken back: it trains its rounds against the outer steps already made
     assert [s["path"] for s in work(run, 4) if "final" in s] == ["p03"]
     assert read_claim(run, "p03")[0]["state"] == "done" and "dropped" not in diloco.status(run)
+    out = CliRunner().invoke(main, ["diloco", run.url])
+    assert "round 2: 4/4 paths in, outer step composed/round-2 (3 averaged, 1 in after it)" in out.output, out.output
+
+
+def test_a_dropped_paths_expert_keeps_its_value_and_momentum(tmp_path, tokenizer_dir):
+    """p03 is in round 1, then marked failed: round 2's outer step (momentum 0.9) leaves its expert
+    as round 1 made it and carries that expert's momentum on untouched, while the shared modules
+    take the three others' step."""
+    from paths.work.claims import release
+
+    run = rounds_run(str(tmp_path / "run"), tokenizer_dir, rounds=3, every=2, outer_lr=0.7, momentum=0.9)
+    torch.manual_seed(0)
+
+    def publish_round(r: int, paths: list[str]) -> None:
+        for p in paths:
+            folder = str(tmp_path / f"{p}-{r}")
+            materialize(run, p, folder, source=run.base if r == 1 else run.composed(f"round-{r - 1}"))
+            weights = {k: v + 0.01 * torch.randn_like(v) for k, v in st_load(open(os.path.join(folder, "model.safetensors"), "rb").read()).items()}
+            assert diloco.publish(run, r, p, weights, lambda: None, step=2 * r)
+
+    publish_round(1, ["p00", "p01", "p02", "p03"])
+    assert outer_step(run, 1)["paths"] == 4
+    release(run, "p03", "failed")
+    publish_round(2, ["p00", "p01", "p02"])
+    assert outer_step(run, 2)["paths"] == 3
+    one, two = tensors(run, run.composed("round-1")), tensors(run, run.composed("round-2"))
+    m1 = st_load(read_verified(run.store, run.composed("round-1"), "momentum.safetensors"))
+    m2 = st_load(read_verified(run.store, run.composed("round-2"), "momentum.safetensors"))
+    expert = "model.layers.1.block_sparse_moe.experts.3.w1.weight"
+    assert two[expert].equal(one[expert]) and m2[expert].equal(m1[expert])
+    shared = "model.layers.0.self_attn.q_proj.weight"
+    assert not two[shared].equal(one[shared]) and not m2[shared].equal(m1[shared])

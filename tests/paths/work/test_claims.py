@@ -102,3 +102,29 @@ def test_release_and_status_cli(run2, tmp_path, monkeypatch):
     result = runner.invoke(main, ["storage", "release", run2.url, "--path", "p02-02"])
     assert result.exit_code == 0 and read_claim(run2, "p02-02")[0]["state"] == "open"
     assert claim(run2, ["p02-02"], ttl=5).generation == 2
+
+
+@pytest.mark.parametrize("paths", [["p00-00"], ["p00-00", "p00-01", "p01-00"]])
+def test_a_refused_guess_that_was_our_own_put_is_claimed(run2, paths):
+    """A guess's 412 is not read back at once; when the HTTP client resent our put by itself (the
+    first copy landed, the resend was refused), the record read later is this guess's, and the
+    claim is ours: a lease on it, not "held by a live lease"."""
+    from paths.errors import PreconditionFailed
+
+    real, calls = run2.store.put_if_absent, []
+
+    def resent(key, data, **kw):  # on the free path: the put lands, then its resend answers 412
+        calls.append(key)
+        if key == run2.claim(paths[0]) and calls.count(key) == 1:
+            real(key, data)
+            raise PreconditionFailed(f"{key} already exists")
+        return real(key, data, **kw)
+
+    for p in paths[1:]:  # the other paths held by live leases
+        claim(run2, [p], ttl=600, worker="other")
+    run2.store.put_if_absent = resent
+    lease = claim(run2, paths, ttl=600, worker="me")
+    assert lease.path == paths[0] and lease.worker == "me" and lease.generation == 1
+    record, etag = read_claim(run2, lease.path)
+    assert record["worker"] == "me" and etag == lease.etag
+    lease.renew()  # and it is really held: the etag is the record's
