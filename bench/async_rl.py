@@ -238,7 +238,8 @@ def main() -> None:
     print(f"2. rollout tokens/s: int8 {q['tokens_per_s']['int8']:.0f}, fp32 {q['tokens_per_s']['fp32']:.0f} ({q['tokens_per_s']['int8'] / q['tokens_per_s']['fp32']:.2f}x); "
           f"tokens masked at step 1: int8 {masked['int8']:.4f}, fp32 {masked['fp32']:.4f}; by width: "
           + ", ".join(f"{k} ({v['parameters'] / 1e6:.1f}M) {v['int8_speedup']:.2f}x" for k, v in q["by_width"].items()))
-    print(f"reproduce: .venv/bin/python bench/async_rl.py --steps {a.steps} --seed-steps {a.seed_steps} --workers {a.workers}")
+    print(f"reproduce: .venv/bin/python bench/async_rl.py --steps {a.steps} --seed-steps {a.seed_steps} --workers {a.workers} --levels {a.levels} --max-new-tokens {a.max_new_tokens}"
+          f" --int8-presets '{a.int8_presets}'")
     with open(os.path.join(ROOT, "bench", "out", "async_rl.jsonl"), "a") as f:
         f.write(json.dumps(out) + "\n")
 
