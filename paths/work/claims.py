@@ -222,17 +222,17 @@ def round_published(run: Run, r: int) -> set[str]:
     return {o.key[len(prefix):].split("/")[0] for o in run.store.list(run.diloco(r)) if o.key.endswith("/manifest.json") and o.key.count("/") == 3}
 
 
-def round_owed(run: Run, r: int, paths: list[str] | tuple[str, ...]) -> tuple[set[str], set[str]]:
+def round_owed(run: Run, r: int, paths: list[str] | tuple[str, ...]) -> tuple[set[str], dict[str, dict[str, Any] | None]]:
     """(published, owed) of DiLoCo round r among `paths`: those whose weights for the round are
-    in, and those still to come. A path an admin marked failed (`paths storage release --state
-    failed`) owes nothing: it is dropped from the rounds, as DiLoCo goes on without a worker that
-    left; one listing and a read per path not in."""
+    in, and those still to come with their claim records (None: never claimed). A path an admin
+    marked failed (`paths storage release --state failed`) owes nothing: it is dropped from the
+    rounds, as DiLoCo goes on without a worker that left; one listing and a read per path not in."""
     ins = round_published(run, r) & set(paths)
-    owed = set()
-    for p in set(paths) - ins:
+    owed: dict[str, dict[str, Any] | None] = {}
+    for p in sorted(set(paths) - ins):
         record, _ = read_claim(run, p)
         if record is None or record.get("state") != "failed":
-            owed.add(p)
+            owed[p] = record
     return ins, owed
 
 

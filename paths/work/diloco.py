@@ -35,7 +35,7 @@ import torch
 
 from paths.errors import ConfigurationError, NotFound, PathsError
 from paths.trainer import Callback, Interrupted
-from paths.work.claims import outer_done, read_claim, round_owed
+from paths.work.claims import outer_done, round_owed
 from storage.layout import Run
 from storage.manifest import ArtifactWriter, read_manifest, read_verified
 
@@ -141,13 +141,9 @@ def publish(run: Run, r: int, path_id: str, weights: dict[str, torch.Tensor], fe
     return True
 
 
-def holders(run: Run, paths: set[str]) -> dict[str, bool]:
-    """{path: held by a live lease} of each of `paths`."""
-    now, out = time.time(), {}
-    for p in sorted(paths):
-        record, _ = read_claim(run, p)
-        out[p] = record is not None and record.get("state") == "claimed" and float(record.get("expires_at", 0)) > now
-    return out
+def held(record: dict[str, Any] | None, now: float) -> bool:
+    """Whether a claim record is a live lease."""
+    return record is not None and record.get("state") == "claimed" and float(record.get("expires_at", 0)) > now
 
 
 def await_round(run: Run, r: int, spec: Rounds, outer_step: OuterStep, timeout: float, worker: str, stop: Callable[[], bool] = lambda: False) -> bool:
@@ -161,7 +157,7 @@ def await_round(run: Run, r: int, spec: Rounds, outer_step: OuterStep, timeout: 
         _, missing = round_owed(run, r, spec.paths)
         if not missing and outer_step(run, r, worker) is not None:  # computed here, or found made
             return True
-        if missing and not all(holders(run, missing).values()):
+        if missing and not all(held(record, time.time()) for record in missing.values()):
             return False
         if time.time() >= deadline or stop():
             return False
@@ -247,7 +243,7 @@ def status(run: Run) -> dict[str, Any] | None:
         out.append({"round": r, "paths_in": len(ins), "outer_step": done, **({"averaged": sorted(outer_record(run, r)["paths"])} if done else {})})
         if not ins:
             break
-    dropped = sorted(set(spec.paths) - ins - owed)  # failed: the rounds go on without them
+    dropped = sorted(set(spec.paths) - ins - set(owed))  # failed: the rounds go on without them
     return {**spec.to_json(), "paths": len(spec.paths), "rounds_done": sum(x["outer_step"] for x in out), "progress": out, **({"dropped": dropped} if dropped else {})}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import random
 import time
 
 import pytest
@@ -113,9 +114,9 @@ def test_a_refused_guess_that_was_our_own_put_is_claimed(run2, paths):
 
     real, calls = run2.store.put_if_absent, []
 
-    def resent(key, data, **kw):  # on the free path: the put lands, then its resend answers 412
+    def resent(key, data, **kw):  # on the free path: the put lands, then its resend answers 412 (read back unless confirm=False)
         calls.append(key)
-        if key == run2.claim(paths[0]) and calls.count(key) == 1:
+        if key == run2.claim(paths[0]) and calls.count(key) == 1 and kw.get("confirm") is False:
             real(key, data)
             raise PreconditionFailed(f"{key} already exists")
         return real(key, data, **kw)
@@ -123,8 +124,9 @@ def test_a_refused_guess_that_was_our_own_put_is_claimed(run2, paths):
     for p in paths[1:]:  # the other paths held by live leases
         claim(run2, [p], ttl=600, worker="other")
     run2.store.put_if_absent = resent
-    lease = claim(run2, paths, ttl=600, worker="me")
+    lease = claim(run2, paths, ttl=600, worker="me", rng=random.Random(6))  # 3 paths: a held one guessed first, then the free one
     assert lease.path == paths[0] and lease.worker == "me" and lease.generation == 1
+    assert calls[-1] == run2.claim(paths[0]) and calls.count(calls[-1]) == 1  # claimed by reading its record, no second put
     record, etag = read_claim(run2, lease.path)
     assert record["worker"] == "me" and etag == lease.etag
     lease.renew()  # and it is really held: the etag is the record's
