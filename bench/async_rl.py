@@ -58,16 +58,17 @@ def trainer_args(run: str, path: str, steps: int, batch: int, lr: float, *extra:
 TRAINER_CPUS, WORKER_CPUS = {0}, {1}  # one core the trainer's, the other the rollout machine's
 
 
-def async_arm(work: str, run: str, path: str, steps: int, batch: int, lr: float, workers: int, *extra: str, dtype: str = "fp32", tag: str = "") -> float:
+def async_arm(work: str, run: str, path: str, steps: int, batch: int, lr: float, workers: int, *extra: str, sampling: tuple[str, ...] = (), dtype: str = "fp32", tag: str = "") -> float:
     """A trainer pinned to TRAINER_CPUS and `workers` rollout workers pinned together to
-    WORKER_CPUS, each its own one-thread process; wall seconds."""
+    WORKER_CPUS, each its own one-thread process; wall seconds. `sampling`: settings the trainer
+    and its workers must agree on (max_new_tokens)."""
     paths_cmd("claim", run, "--path", path, "--worker", f"trainer-{path}{tag}", env=env(f"t-{path}{tag}", work, 1))
     keys = [admitted(work, run, f"cpu-{w}{tag}") for w in range(workers)]  # before the clock starts
     t0 = time.time()
-    procs = [("trainer", paths_cmd(*trainer_args(run, path, steps, batch, lr, *extra), env=env(f"t-{path}{tag}", work, 1), wait=False, cpus=TRAINER_CPUS))]
+    procs = [("trainer", paths_cmd(*trainer_args(run, path, steps, batch, lr, *extra, *sampling), env=env(f"t-{path}{tag}", work, 1), wait=False, cpus=TRAINER_CPUS))]
     for w in range(workers):
         procs.append((f"worker {w}", paths_cmd("rollout", run, "--path", path, "--dataset", "rl", "--key", keys[w], "--dtype", dtype, "--batches", str(10 * steps), *REWARDS,
-                                               *sets(batch, lr, *(e for e in extra if e.startswith("max_new_tokens="))), "--no-progress", env=env(f"w-{path}-{w}{tag}", work, 1), wait=False, cpus=WORKER_CPUS)))
+                                               *sets(batch, lr, *sampling), "--no-progress", env=env(f"w-{path}-{w}{tag}", work, 1), wait=False, cpus=WORKER_CPUS)))
     finish(procs)
     return time.time() - t0
 
@@ -155,16 +156,16 @@ def main() -> None:
     tasks, seed_dir = sft_seed(a.work, a.prompts, a.seed_steps, levels=a.levels, seq_len=96 if a.max_new_tokens <= 32 else 128)
 
     # 1. what a rollout machine buys: sync on one core, against 1, 2, 4 workers on the other
-    held = ["eval_every=10", "eval_prompts=64", f"max_new_tokens={a.max_new_tokens}"]
+    held, sampling = ["eval_every=10", "eval_prompts=64"], (f"max_new_tokens={a.max_new_tokens}",)
     sync_run = new_run(a.work, "sync", tasks, seed_dir)
     paths_cmd("claim", sync_run, "--path", "p00", "--worker", "sync", env=env("sync", a.work, 1))
     t0 = time.time()
-    paths_cmd(*trainer_args(sync_run, "p00", a.steps, a.batch, a.lr, *held, store=False), env=env("sync", a.work, 1), cpus=TRAINER_CPUS)
+    paths_cmd(*trainer_args(sync_run, "p00", a.steps, a.batch, a.lr, *held, *sampling, store=False), env=env("sync", a.work, 1), cpus=TRAINER_CPUS)
     arms = {"sync": {"wall_s": time.time() - t0, "t0": t0, "metrics": metrics(sync_run, "p00")}}
     for k in workers:
         r = new_run(a.work, f"async-{k}", tasks, seed_dir)
         t0 = time.time()
-        wall = async_arm(a.work, r, "p00", a.steps, a.batch, a.lr, k, *held, "rollout_wait=120", tag=f"-{k}")
+        wall = async_arm(a.work, r, "p00", a.steps, a.batch, a.lr, k, *held, "rollout_wait=120", sampling=sampling, tag=f"-{k}")
         arms[k] = {"wall_s": wall, "t0": t0, "metrics": metrics(r, "p00")}
     best = lambda ms: max(m["heldout_reward"] for m in ms if "heldout_reward" in m)  # noqa: E731
     target = min(best(arm["metrics"]) for arm in arms.values())
@@ -238,7 +239,7 @@ def main() -> None:
     print(f"2. rollout tokens/s: int8 {q['tokens_per_s']['int8']:.0f}, fp32 {q['tokens_per_s']['fp32']:.0f} ({q['tokens_per_s']['int8'] / q['tokens_per_s']['fp32']:.2f}x); "
           f"tokens masked at step 1: int8 {masked['int8']:.4f}, fp32 {masked['fp32']:.4f}; by width: "
           + ", ".join(f"{k} ({v['parameters'] / 1e6:.1f}M) {v['int8_speedup']:.2f}x" for k, v in q["by_width"].items()))
-    print(f"reproduce: .venv/bin/python bench/async_rl.py --steps {a.steps} --seed-steps {a.seed_steps} --workers {a.workers} --levels {a.levels} --max-new-tokens {a.max_new_tokens}"
+    print(f"reproduce: .venv/bin/python bench/async_rl.py --steps {a.steps} --seed-steps {a.seed_steps} --prompts {a.prompts} --workers {a.workers} --levels {a.levels} --max-new-tokens {a.max_new_tokens}"
           f" --int8-presets '{a.int8_presets}'")
     with open(os.path.join(ROOT, "bench", "out", "async_rl.jsonl"), "a") as f:
         f.write(json.dumps(out) + "\n")

@@ -202,6 +202,11 @@ def claims_on_seaweed(work: str, claimers: int = 16) -> dict:
             "claim_round_trips_mean": sum(trips) / len(trips), "claim_round_trips_max": max(trips)}
 
 
+def claims_line(out: dict) -> str:
+    return (f"claims on SeaweedFS, 16 claimers, {out['paths']} paths: p50 {out['claim_p50_ms']:.1f} ms, p99 {out['claim_p99_ms']:.1f} ms; "
+            f"round trips a claim {out['claim_round_trips_mean']:.2f} (max {out['claim_round_trips_max']})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", default=os.path.join(ROOT, "bench", "out", "train"))
@@ -215,8 +220,7 @@ def main() -> None:
     if args.claims_only:
         os.makedirs(args.work, exist_ok=True)
         out = claims_on_seaweed(os.path.join(args.work, f"claims-{os.getpid()}"))
-        print(f"claims on SeaweedFS, 16 claimers, {out['paths']} paths: p50 {out['claim_p50_ms']:.1f} ms, p99 {out['claim_p99_ms']:.1f} ms; "
-              f"round trips a claim {out['claim_round_trips_mean']:.2f} (max {out['claim_round_trips_max']})")
+        print(claims_line(out))
         return
     if args.arm:  # one timed run in this fresh process, over the run `build` made; its figures as one JSON line
         print(json.dumps(one_run(args)))
@@ -253,8 +257,7 @@ def main() -> None:
     print(f"HF Trainer.train() given our allocator setting (paths/allocator.py) {result['hf_malloc_tok_s']:>9,.0f} tok/s   ours / it {result['ratio_same_allocator']:.2f}")
     print("each pair's ratio: " + ", ".join(f"{x:.2f}" for x in result["pair_ratios"]))
     print(f"checkpoint: {result['checkpoint_s']:.3f} s, {result['checkpoint_bytes']:,} bytes")
-    print(f"claims on SeaweedFS, 16 claimers, {result['paths']} paths: p50 {result['claim_p50_ms']:.1f} ms, p99 {result['claim_p99_ms']:.1f} ms; "
-          f"round trips a claim {result['claim_round_trips_mean']:.2f} (max {result['claim_round_trips_max']})")
+    print(claims_line(result))
     os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "out", "train.jsonl"), "a") as f:
         f.write(json.dumps({"at": time.time(), **result}) + "\n")

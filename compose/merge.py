@@ -46,11 +46,11 @@ def merged(run: Run, family: Family, base: TensorEntry, sources: Sources | dict[
     role = family.classify(base.name)
     base_t = load_tensor(run, base)
     plain = outer_lr == 1.0 and momentum == 0
+    idle: list[int] = []  # expert slices of a fused tensor that no path fed
     if role.kind == "fused":  # [E, ...]: each expert slice from the paths choosing it
         delta = torch.zeros(base_t.shape, dtype=torch.float32)
         copied: dict[int, torch.Tensor] = {}
         used: set[str] = set()
-        idle: list[int] = []  # slices no path fed
         for e in range(base_t.shape[0]):
             here = sources[e]
             if plain and len(here) == 1:
@@ -75,7 +75,6 @@ def merged(run: Run, family: Family, base: TensorEntry, sources: Sources | dict[
         if plain and len(sources) == 1:
             return _value(run, sources[0][1]).to(out_dtype), None, [sources[0][0].path]
         delta, touched = _mean_delta(run, base_t.float(), sources)
-        idle = []
     if not touched:  # nobody fed it (a path dropped from DiLoCo rounds): its value, and its momentum for when one does
         return base_t, (m_prev if momentum > 0 else None), []
     m = delta if m_prev is None else momentum * m_prev + delta
