@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from paths.errors import ConfigurationError
+from paths.head_loss import fusable, head_loss
 from paths.train_config import TrainConfig
 
 
@@ -35,7 +36,10 @@ def micro_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], total_tar
     tokens = batch["tokens"]  # (B, L+1)
     x, y = tokens[:, :-1], tokens[:, 1:].clone()  # (B, L)
     y[~target_mask(batch)] = -100
-    logits = model(input_ids=x.to(next(model.parameters()).device)).logits  # (B, L, V)
+    x = x.to(next(model.parameters()).device)
+    if fusable(model):  # the head a chunk of rows at a time, logits never whole (paths/head_loss.py)
+        return head_loss(model, x, y, 1.0 / max(1, total_targets))
+    logits = model(input_ids=x).logits  # (B, L, V)
     loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1).to(logits.device), ignore_index=-100, reduction="sum")
     return loss / max(1, total_targets)
 
