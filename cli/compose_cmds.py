@@ -163,8 +163,8 @@ def diloco(run: str, rounds: int | None, inner_steps: int | None, outer_lr: floa
                    + (f" ({len(row['averaged'])} averaged, {late} in after it)" if late else ""))
     if state.get("dropped"):
         click.echo(f"  dropped (marked failed): {', '.join(state['dropped'])}; the outer steps average the other paths. `paths storage release {run} --path "
-                   f"{state['dropped'][0]}` takes one back: it resumes from its newest checkpoint and syncs to the outer steps already made, "
-                   "its work in those rounds left out of them, and the rounds still to come wait for it")
+                   f"{state['dropped'][0]}` takes one back: it skips the rounds composed without it, goes on from the newest outer step, "
+                   "and the rounds still to come wait for it")
 
 
 @click.command("finetune-moe")

@@ -279,8 +279,10 @@ class Trainer:
             self.model, self.optimizer = acc.prepare(self.model, self.optimizer)
         for cb in self.callbacks:
             cb.started(self)
+        if self.step != start:  # a callback moved the loop on (a DiLoCo path skipping rounds made without it)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg), last_epoch=self.step - 1)
         multiple = self.step_fn.checkpoint_multiple
-        bar = _progress(self.show_progress and self.main, start, cfg.steps, f"{self.desc} {self.unit}")
+        bar = _progress(self.show_progress and self.main, self.step, cfg.steps, f"{self.desc} {self.unit}")
         last_ckpt_time, t0, tokens_at_t0 = time.time(), time.time(), self.tokens
         self.model.train()
         while self.step < cfg.steps:

@@ -16,7 +16,9 @@ which `paths train` runs), as this layer does not import compose. A worker whose
 round is not complete waits while other workers hold the missing paths (`round_wait`), and hands
 its path back otherwise (claim state `waiting`): it becomes claimable again once the outer step is
 there, and the next worker resumes it from the round's checkpoint, exactly. A takeover mid-round
-resumes from the newest checkpoint as any path does. The last round's outer step,
+resumes from the newest checkpoint as any path does. A path marked failed is dropped from the
+rounds (their outer steps average the others); released again, it skips the rounds made without
+it and goes on from the newest outer step, at that round's step of the schedule. The last round's outer step,
 composed/round-<R>/, is the run's composed MoE; work/<path>/final/ holds each path's last inner
 weights (for `compose --into ensemble`).
 """
@@ -194,9 +196,18 @@ class RoundSync(Callback):
     def __init__(self, run: Run, path_id: str, spec: Rounds, outer_step: OuterStep, keeper: Any, wait: float):
         """`keeper`: the lease's callback (paths.work.train.LeaseKeeper: `lease`, `hand_back`), or None."""
         self.run, self.path, self.spec, self.outer_step, self.keeper, self.wait = run, path_id, spec, outer_step, keeper, wait
+        self.rejoined: dict[str, Any] | None = None  # the rounds made without this path, when it came back (see `started`)
 
     def started(self, trainer: Trainer) -> None:
-        if self.spec.ends_round(trainer.step):  # resumed from a round's end, before its sync
+        done = trainer.step // self.spec.every  # rounds this path trained to their end
+        newest = done
+        while newest < self.spec.rounds and outer_done(self.run, newest + 1):
+            newest += 1
+        if newest > done:  # outer steps made without it (it was marked failed, then released): its work in them is past use
+            sync(trainer.unwrapped, self.run, self.path, newest)  # it starts from the newest one, with its AdamW state and data position
+            trainer.step = newest * self.spec.every  # the schedule with it (the trainer's scheduler follows a moved step)
+            self.rejoined = {"rounds_skipped": list(range(done + 1, newest + 1)), "from": f"composed/round-{newest}", "at_step": trainer.step}
+        elif self.spec.ends_round(trainer.step):  # resumed from a round's end, before its sync
             self._end_round(trainer)
 
     def stepped(self, trainer: Trainer, record: dict[str, Any]) -> None:

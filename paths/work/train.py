@@ -249,8 +249,9 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
                     extra.append(HeldoutReward(heldout, reward_fns, tokenizer, cfg.eval_every, cfg.max_new_tokens, episodes))
         keeper = LeaseKeeper(lease, heartbeat) if lease is not None and acc.is_main_process else None
         callbacks: list[Callback] = [keeper] if keeper is not None else []
-        if rounds is not None:
-            callbacks.append(diloco.RoundSync(run, path_id, rounds, outer_step, keeper, cfg.round_wait))
+        round_sync = diloco.RoundSync(run, path_id, rounds, outer_step, keeper, cfg.round_wait) if rounds is not None else None
+        if round_sync is not None:
+            callbacks.append(round_sync)
         callbacks += extra
         trainer = Trainer(
             run, path_id, job, cfg, model, step,
@@ -260,9 +261,9 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
         try:
             result = trainer.fit()
         except diloco.RoundPending as pending:
-            return {"path": path_id, "mode": mode, "steps": trainer.step, "tokens": trainer.tokens, "waiting": str(pending)}
+            return {"path": path_id, "mode": mode, "steps": trainer.step, "tokens": trainer.tokens, "waiting": str(pending), **rejoined(round_sync)}
         summary = {"path": path_id, "mode": mode, "freeze": cfg.freeze, "steps": result.step, "tokens": result.tokens, "final_loss": result.loss, "resumed_from": result.resumed_from, "init": init,
-                   **summary_extra}
+                   **summary_extra, **rejoined(round_sync)}
         # anchored: every shared tensor is still the base's (this stage froze them, and so did the one before)
         summary["anchored"] = cfg.freeze == "shared" and (previous_stage is None or bool(previous_stage.get("anchored")))
         if previous_stage is not None:
@@ -281,6 +282,11 @@ def _train(run: Run, path_id: str, mode: Mode, dataset: str, cfg: TrainConfig, l
         return summary
     finally:
         shutil.rmtree(local, ignore_errors=True)
+
+
+def rejoined(round_sync: diloco.RoundSync | None) -> dict[str, Any]:
+    """The summary's note of DiLoCo rounds this path skipped, made without it while it was dropped."""
+    return {"rejoined": round_sync.rejoined} if round_sync is not None and round_sync.rejoined else {}
 
 
 def _write_final(run: Run, path_id: str, model: torch.nn.Module, tokenizer: Any, local: str, cfg: TrainConfig, mode: str, dataset: str, manifest: dict[str, Any], summary: dict[str, Any],

@@ -40,8 +40,9 @@ def rounds_run(url: str, tokenizer_dir: str, rounds: int = 3, every: int = 4, st
     return run
 
 
-def work(run, steps: int, ttl: float = 60, checkpoint_every: int = 0, seed: int = 0) -> list[dict]:
-    """`while paths claim --wait; do paths train; done` in this process; the summaries."""
+def work(run, steps: int, ttl: float = 60, checkpoint_every: int = 0, seed: int = 0, between=lambda: None) -> list[dict]:
+    """`while paths claim --wait; do paths train; done` in this process; the summaries. `between()`
+    runs after each `paths train` (an admin's command meanwhile)."""
     cfg = load_config(None, SETS, steps=steps, checkpoint_every=checkpoint_every, keep_checkpoints=20)
     rng, out = random.Random(seed), []
     while True:
@@ -56,6 +57,7 @@ def work(run, steps: int, ttl: float = 60, checkpoint_every: int = 0, seed: int 
             assert "killed" in str(exc)
         finally:
             beat.stop()
+        between()
 
 
 def tensors(run, prefix: str) -> dict[str, torch.Tensor]:
@@ -271,8 +273,8 @@ def test_a_round_whose_outer_step_nobody_computes_is_taken_up_by_the_next_claim(
 def test_a_path_marked_failed_is_dropped_from_the_rounds_and_the_others_go_on(tmp_path, tokenizer_dir):
     """An admin marks p03 failed before anyone trains it: the outer steps average the three paths
     in (its expert keeps the base's values), no round waits for it, and `paths diloco` says so;
-    released again, it trains its rounds from base/, syncing to the outer steps already made (its
-    work in them left out), and the run ends as usual."""
+    released again after the last round, it skips the rounds made without it: its final weights are
+    its slice of the last outer step, and the run ends as usual."""
     from paths.work.claims import release
 
     run = rounds_run(str(tmp_path / "run"), tokenizer_dir, rounds=2, every=2, outer_lr=1.0, momentum=0.0)
@@ -293,11 +295,42 @@ def test_a_path_marked_failed_is_dropped_from_the_rounds_and_the_others_go_on(tm
     out = CliRunner().invoke(main, ["diloco", run.url])
     assert out.exit_code == 0 and "dropped (marked failed): p03" in out.output and "round 2: 3/4 paths in, outer step composed/round-2" in out.output, out.output
 
-    release(run, "p03", "open")  # taken back: it trains its rounds against the outer steps already made
-    assert [s["path"] for s in work(run, 4) if "final" in s] == ["p03"]
+    release(run, "p03", "open")  # taken back: every round was made without it
+    (summary,) = [s for s in work(run, 4) if "final" in s]
+    assert summary["path"] == "p03" and summary["rejoined"] == {"rounds_skipped": [1, 2], "from": "composed/round-2", "at_step": 4} and summary["tokens"] == 0
+    folder = str(tmp_path / "p03-slice")
+    materialize(run, "p03", folder, source=run.composed("round-2"))
+    final, expected = tensors(run, run.final("p03")), st_load(open(os.path.join(folder, "model.safetensors"), "rb").read())
+    assert final.keys() == expected.keys() and all(final[k].equal(expected[k]) for k in final)  # trained no step
     assert read_claim(run, "p03")[0]["state"] == "done" and "dropped" not in diloco.status(run)
     out = CliRunner().invoke(main, ["diloco", run.url])
     assert "round 2: 4/4 paths in, outer step composed/round-2 (3 averaged, 1 in after it)" in out.output, out.output
+
+
+def test_a_dropped_path_released_mid_run_goes_on_from_the_newest_outer_step(tmp_path, tokenizer_dir):
+    """p03 is marked failed before anyone trains it and released once round 2's outer step is
+    made: it trains round 3 only, from composed/round-2, at round 3's point of the schedule, and
+    round 3's outer step averages all four paths."""
+    from paths.trainer import lr_factor, read_metrics
+    from paths.work.claims import outer_done, release
+
+    run = rounds_run(str(tmp_path / "run"), tokenizer_dir, rounds=3, every=2, outer_lr=1.0, momentum=0.0)
+    release(run, "p03", "failed")
+
+    def admin() -> None:
+        if outer_done(run, 2) and read_claim(run, "p03")[0]["state"] == "failed":
+            release(run, "p03", "open")
+
+    summaries = work(run, 6, checkpoint_every=1, between=admin)
+    (back,) = [s for s in summaries if s["path"] == "p03"]
+    assert back["rejoined"] == {"rounds_skipped": [1, 2], "from": "composed/round-2", "at_step": 4} and "final" in back
+    steps = [m for m in read_metrics(run, "p03") if "loss" in m]
+    assert [m["step"] for m in steps] == [5, 6]  # round 3's inner steps, no others
+    cfg = load_config(None, SETS, steps=6)
+    assert [m["lr"] for m in steps] == pytest.approx([cfg.lr * lr_factor(s, cfg) for s in (5, 6)])  # the schedule where the others are
+    assert not run.store.exists(f"{run.diloco(1, 'p03')}/manifest.json") and not run.store.exists(f"{run.diloco(2, 'p03')}/manifest.json")
+    state = diloco.status(run)
+    assert state["rounds_done"] == 3 and [len(p["averaged"]) for p in state["progress"]] == [3, 3, 4] and "dropped" not in state
 
 
 @pytest.mark.parametrize("preset, expert", [("tiny-mixtral", "model.layers.1.block_sparse_moe.experts.3.w1.weight"),  # a tensor per expert
