@@ -124,11 +124,13 @@ def record_fields(records: list[dict[str, Any]], repeat: int) -> dict[str, list[
 
 
 def complete(model: torch.nn.Module, records: list[dict[str, Any]], group: int, tokenizer: Any, *, max_new_tokens: int, temperature: float, top_p: float = 1.0, chunk: int = 64,
-             uniforms: torch.Tensor | None = None) -> tuple[list[list[int]], list[bool]]:
+             uniforms: torch.Tensor | None = None, logprobs: list[list[float]] | None = None) -> tuple[list[list[int]], list[bool]]:
     """`group` sampled completions per record (greedy at temperature 0), generated `chunk` rows at
     a time: token ids up to and including EOS, and which were cut at max_new_tokens. `uniforms`
     ((records x group, max_new_tokens), optional) are the numbers each completion's tokens are
-    drawn with, whatever the chunking."""
+    drawn with, whatever the chunking. A `logprobs` list gets each completion's log-probabilities
+    of its tokens as they were drawn (at the sampling temperature): the behaviour policy's, with no
+    second pass over the completions."""
     # a chunk of whole groups prefills each prompt once; otherwise every row is its own prompt
     shared = group if chunk % group == 0 else 1
     rows = [r["ids"] for r in records for _ in range(group // shared)]
@@ -143,10 +145,14 @@ def complete(model: torch.nn.Module, records: list[dict[str, Any]], group: int, 
             ids, mask = left_pad(rows[i : i + per], pad, device)
             if forward_arguments(type(model)) & {"cache", "past_key_values"}:
                 u = None if uniforms is None else uniforms[i * shared : (i + per) * shared].to(device)
-                out = generate(model, ids, mask, max_new_tokens, temperature, top_p, eos, pad, repeats=shared, uniforms_NC=u).tolist()
+                steps: list[torch.Tensor] | None = [] if logprobs is not None else None
+                out = generate(model, ids, mask, max_new_tokens, temperature, top_p, eos, pad, repeats=shared, uniforms_NC=u, logprobs=steps).tolist()
+                if steps is not None:
+                    drawn = torch.stack(steps, 1).float().cpu()  # (N, T)
+                    logprobs += [drawn[r, : seq.index(eos) + 1 if eos in seq else len(seq)].tolist() for r, seq in enumerate(out)]
             else:  # a model with its own decoding (the ensemble): its generate()
-                if uniforms is not None:
-                    raise DataError(f"{type(model).__name__} decodes with its own generate(): it cannot sample from given seeds")
+                if uniforms is not None or logprobs is not None:
+                    raise DataError(f"{type(model).__name__} decodes with its own generate(): it cannot sample from given seeds or give its log-probs")
                 ids, mask = ids.repeat_interleave(shared, 0), mask.repeat_interleave(shared, 0)
                 sampled = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
                 out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, **sampled)[:, ids.shape[1]:].tolist()

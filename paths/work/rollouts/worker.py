@@ -182,7 +182,7 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
             seed = batch_seed(loaded["nonce"], name, public, position)
             picked = pick_prompts(seed, cfg.batch_size, len(records), mixture)
             recs = [records[i] for i in picked]
-            samples, logp, extra = _sample(model, recs, rewards, cfg, tokenizer, row_uniforms(seed, cfg.batch_size * cfg.group_size, cfg.max_new_tokens), episodes)
+            samples, logp, extra = _sample(model, recs, rewards, cfg, tokenizer, row_uniforms(seed, cfg.batch_size * cfg.group_size, cfg.max_new_tokens), episodes, dtype)
             completion_ids = samples.completion_ids
             seconds += time.perf_counter() - t0
             now = latest(run, path)
@@ -210,10 +210,16 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
 
 
 def _sample(model: torch.nn.Module, records: list[dict[str, Any]], rewards: list[Reward], cfg: Any, tokenizer: Any, uniforms: torch.Tensor,
-            episodes: Any) -> tuple[Any, torch.Tensor, dict[str, Any]]:
+            episodes: Any, dtype: str = "fp32") -> tuple[Any, torch.Tensor, dict[str, Any]]:
     """A batch's scored samples, drawn with its seeded numbers; their behaviour log-probs (N, C); and
     the metadata an episode batch adds (whether the trainer replays the environment or takes its
-    recorded answers)."""
+    recorded answers).
+
+    The log-probs: in fp32, as sampling computed them (the KV-cached pass agrees with the trainer's
+    teacher-forced one to ~1e-6, well inside the seed check's `prob`; a second pass over the
+    completions cost more than sampling them). In bf16 and int8 a teacher-forced pass, the one the
+    seed check repeats: their activations round (and int8's quantize) differently one token at a
+    time, by up to 0.1 of probability in int8 (README, "Rollouts nobody has to trust")."""
     chunk = cfg.generation_batch_size or cfg.batch_size * cfg.group_size
     if episodes is not None:
         with torch.inference_mode():
@@ -225,9 +231,13 @@ def _sample(model: torch.nn.Module, records: list[dict[str, Any]], rewards: list
         from paths.work.episodes import episode_keys
 
         return samples, logp, {"environment": "recorded", "environment_messages": [episodes.said.get(k, []) for k in episode_keys(len(records), cfg.group_size)]}
+    drawn: list[list[float]] | None = [] if dtype == "fp32" else None
     with torch.inference_mode():
         completion_ids, truncated = complete(model, records, cfg.group_size, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                                             chunk=chunk, uniforms=uniforms)
-        ids, attention, p, _ = pack(records, completion_ids, cfg.group_size, tokenizer.pad_token_id, torch.device("cpu"))
-        logp = logprobs_in_chunks(model, ids, attention, p, cfg.temperature, cfg.batch_size * cfg.group_size)
+                                             chunk=chunk, uniforms=uniforms, logprobs=drawn)
+        if drawn is not None:
+            logp = pad_rows(drawn, max(1, max(map(len, drawn))), "cpu", torch.float32)
+        else:
+            ids, attention, p, _ = pack(records, completion_ids, cfg.group_size, tokenizer.pad_token_id, torch.device("cpu"))
+            logp = logprobs_in_chunks(model, ids, attention, p, cfg.temperature, cfg.batch_size * cfg.group_size)
     return score_samples(records, completion_ids, truncated, rewards, cfg, tokenizer), logp, {}

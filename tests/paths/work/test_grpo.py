@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -205,3 +206,26 @@ def test_a_group_prefilled_once_samples_what_separate_prompts_sample(rl_run, tmp
     once = generate(model, *left_pad(prompts, 0), 6, 1e-6, 1.0, eos_id=-1, pad_id=0, repeats=4)
     each = generate(model, *left_pad([p for p in prompts for _ in range(4)], 0), 6, 1e-6, 1.0, eos_id=-1, pad_id=0)
     assert once.shape == (12, 6) and torch.equal(once, each)
+
+
+def test_the_log_probs_sampling_computes_are_the_teacher_forced_ones(rl_run, tmp_path):
+    """What a rollout worker in fp32 sends as behaviour log-probs, taken while sampling (groups
+    prefilled once, rows ending at different lengths, left padding), is what one teacher-forced pass
+    of the completions gives, within the seed check's fp32 tolerance and far inside it."""
+    from paths.work.grpo import logprobs_in_chunks, pack
+    from paths.work.sampling import complete
+    from sharding.dataset import read_prompts
+
+    model, tok = loaded(rl_run, tmp_path)
+    records = read_prompts(rl_run, "rl", "p00")[:4]
+    torch.manual_seed(0)
+    first, _ = complete(model, records, 4, tok, max_new_tokens=12, temperature=0.9, top_p=0.95, chunk=8)
+    tok = SimpleNamespace(eos_token_id=first[0][5], pad_token_id=tok.pad_token_id)  # an EOS the untrained model draws: rows end early, at various lengths
+    torch.manual_seed(0)
+    drawn: list[list[float]] = []
+    ids_out, _ = complete(model, records, 4, tok, max_new_tokens=12, temperature=0.9, top_p=0.95, chunk=8, logprobs=drawn)
+    assert [len(d) for d in drawn] == [len(c) for c in ids_out] and len({len(c) for c in ids_out}) > 1
+    ids, attention, p, _ = pack(records, ids_out, 4, tok.pad_token_id, torch.device("cpu"))
+    forced = logprobs_in_chunks(model, ids, attention, p, 0.9, len(ids))
+    for r, d in enumerate(drawn):
+        torch.testing.assert_close(torch.tensor(d), forced[r, : len(d)], atol=1e-5, rtol=0)
