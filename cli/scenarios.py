@@ -41,7 +41,7 @@ SEED_STEPS = 300
 RL_STEPS = 100
 RL_REWARDS = ["--reward", "math_answer", "--reward", "format=0.2"]
 SWARM_ROOT = "runs/quickstart-swarm"
-SWARM_STEPS = 60
+SWARM_STEPS = 100
 SWARM_LR = "1e-4"
 SWARM_MAX_ASYNC = 2
 SWARM_EXTERNAL = 4  # prompt groups a step taken from the other path's rollouts (SAPO): 16 a step in all, as the rl scenario's
