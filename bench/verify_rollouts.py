@@ -37,7 +37,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from async_rl import new_run, seed  # noqa: E402
+from async_rl import new_run  # noqa: E402
+from rl_paths import sft_seed  # noqa: E402
 
 SWARM = ["batch_size=8", "group_size=8", "max_new_tokens=24", "temperature=1.0"]
 
@@ -69,7 +70,7 @@ def main() -> None:
     t0 = time.time()
     tasks, seed_dir = os.path.join(a.work, "tasks.jsonl"), os.path.join(a.work, "seed-p00")
     if not os.path.exists(os.path.join(seed_dir, "config.json")):  # the trained seed is built once per --work
-        tasks, seed_dir = seed(a.work, argparse.Namespace(prompts=a.prompts, seed_steps=a.seed_steps))
+        tasks, seed_dir = sft_seed(a.work, a.prompts, a.seed_steps)
     run = open_run(new_run(a.work, f"run-{int(t0)}", tasks, seed_dir))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
