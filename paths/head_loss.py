@@ -55,15 +55,16 @@ def head_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, scale: f
     """scale * summed next-token loss of targets `y` (B, L; -100 ignored) after inputs `x` (B, L),
     through `model`'s decoder and then its head a chunk at a time. `model` must be `fusable`."""
     hidden = model.get_decoder()(input_ids=x)[0]  # (B, L, H)
-    return LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), model.get_output_embeddings().weight, y.reshape(-1).to(hidden.device), scale)
+    return LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), model.get_output_embeddings().weight, y.reshape(-1).to(hidden.device), scale, torch.is_grad_enabled())
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """scale * sum over rows of cross_entropy(h @ w.T, y), -100 ignored; gradients made in forward."""
+    """scale * sum over rows of cross_entropy(h @ w.T, y), -100 ignored; gradients made in forward
+    (none under no_grad / inference_mode)."""
 
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:  # h (N, H), w (V, H), y (N,)
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, scale: float, grad: bool) -> torch.Tensor:  # h (N, H), w (V, H), y (N,)
+        want_h, want_w = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]  # `grad`: the caller's grad mode (needs_input_grad ignores it)
         ctx.w_dtype = w.dtype
         grad_h = torch.empty_like(h) if want_h else None
         grad_w = torch.zeros_like(w, dtype=torch.float32) if want_w else None
@@ -94,6 +95,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         return (
             grad_h * g.to(grad_h.dtype) if grad_h is not None else None,
             (grad_w * g).to(ctx.w_dtype) if grad_w is not None else None,
+            None,
             None,
             None,
         )

@@ -132,7 +132,7 @@ def publish(run: Run, r: int, path_id: str, weights: dict[str, torch.Tensor], fe
     from paths.checkpoint import unshared
 
     prefix = run.diloco(r, path_id)
-    if run.store.exists(f"{prefix}/manifest.json"):
+    if published(run, r, path_id):
         return False
     writer = ArtifactWriter(run.store, prefix)
     writer.write("model.safetensors", save(unshared(weights)))
@@ -141,6 +141,11 @@ def publish(run: Run, r: int, path_id: str, weights: dict[str, torch.Tensor], fe
     fence()
     writer.commit(kind="diloco-round", path=path_id, round=r)
     return True
+
+
+def published(run: Run, r: int, path_id: str) -> bool:
+    """Whether the path's weights at the end of round r are committed (diloco/r<r>/<path>/)."""
+    return run.store.exists(f"{run.diloco(r, path_id)}/manifest.json")
 
 
 def held(record: dict[str, Any] | None, now: float) -> bool:
@@ -201,8 +206,8 @@ class RoundSync(Callback):
     def started(self, trainer: Trainer) -> None:
         done = trainer.step // self.spec.every  # rounds this path trained to their end
         newest = done
-        while newest < self.spec.rounds and outer_done(self.run, newest + 1):
-            newest += 1
+        while newest < self.spec.rounds and outer_done(self.run, newest + 1) and not published(self.run, newest + 1, self.path):
+            newest += 1  # (a round it published, it retrains exactly: a takeover after its last round's publish keeps its own final)
         if newest > done:  # outer steps made without it (it was marked failed, then released): its work in them is past use
             sync(trainer.unwrapped, self.run, self.path, newest)  # it starts from the newest one, with its AdamW state and data position
             trainer.step = newest * self.spec.every  # the schedule with it (the trainer's scheduler follows a moved step)

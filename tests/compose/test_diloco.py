@@ -333,6 +333,23 @@ def test_a_dropped_path_released_mid_run_goes_on_from_the_newest_outer_step(tmp_
     assert state["rounds_done"] == 3 and [len(p["averaged"]) for p in state["progress"]] == [3, 3, 4] and "dropped" not in state
 
 
+def test_a_takeover_after_the_last_rounds_publish_retrains_that_round_not_skips_it(tmp_path, tokenizer_dir):
+    """A worker publishes its path's last round (and the run's outer step) and dies before it hands
+    the path back: the next worker resumes from the round's start and retrains it exactly, keeping
+    the path's own final weights; it does not take the outer step's slice as a rejoining path does."""
+    from paths.work.claims import release
+
+    run = rounds_run(str(tmp_path / "run"), tokenizer_dir, rounds=2, every=2)
+    work(run, 4)
+    assert diloco.status(run)["rounds_done"] == 2
+    before = tensors(run, run.final("p01"))
+    release(run, "p01", "open")  # as if its lease had expired before the hand-back
+    (again,) = [s for s in work(run, 4) if s["path"] == "p01"]
+    assert "rejoined" not in again and again["resumed_from"] == 2
+    after = tensors(run, run.final("p01"))
+    assert all(after[k].equal(before[k]) for k in before)
+
+
 @pytest.mark.parametrize("preset, expert", [("tiny-mixtral", "model.layers.1.block_sparse_moe.experts.3.w1.weight"),  # a tensor per expert
                                              ("tiny-gptoss", "model.layers.1.mlp.experts.gate_up_proj")])  # the experts fused: slice 3
 def test_a_dropped_paths_expert_keeps_its_value_and_momentum(tmp_path, tokenizer_dir, preset, expert):

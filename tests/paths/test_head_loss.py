@@ -42,14 +42,21 @@ def test_the_chunked_head_loss_is_the_whole_logits_loss(preset, monkeypatch):
         torch.testing.assert_close(fused[name], ref[name], rtol=1e-5, atol=1e-6)
 
 
-def test_a_frozen_head_gets_no_gradient_and_no_grad_mode_makes_none():
+def test_a_frozen_head_gets_no_gradient_and_no_grad_mode_makes_none(monkeypatch):
     model = build_model(load_spec(preset_path("tiny-mixtral"), "tiny-mixtral"), seed=0)
     model.lm_head.weight.requires_grad_(False)
     b = batch(model.config.vocab_size)
     loss, g = grads(model, b, total=17)
     assert "lm_head.weight" not in g and "model.embed_tokens.weight" in g
+    model.lm_head.weight.requires_grad_(True)
+    made = []  # the head's gradient buffer, made only when a gradient will be asked for
+    real = torch.zeros_like
+    monkeypatch.setattr(torch, "zeros_like", lambda t, *a, **k: (made.append(1) if t is model.lm_head.weight else None) or real(t, *a, **k))
     with torch.no_grad():
         assert float(micro_loss(model, b, 17)) == pytest.approx(loss, rel=1e-6)
+    assert not made
+    micro_loss(model, b, 17)
+    assert made
 
 
 def test_wrapped_or_softcapped_models_take_the_whole_logits_route():
