@@ -209,7 +209,7 @@ def main() -> None:
     ap.add_argument("--sapo-steps", type=int, default=30, help="asynchronous steps per path of the SAPO and silo arms")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--arms", default="sync,sapo", help="sync: (a)-(c); sapo: (d); both by default (each one about 20 minutes here)")
+    ap.add_argument("--arms", default="sync,sapo", help="sync: (a)-(c); sapo: (d); both by default (sync 19 minutes here, sapo 14)")
     a = ap.parse_args()
     arms = set(a.arms.split(","))
     if not arms or arms - {"sync", "sapo"}:
@@ -235,33 +235,42 @@ def main() -> None:
 
 def sync_arms(a, template: str, dense_template: str, seeds: list[int]) -> dict:
     """(a) paths, (b) dense with the same rollouts, (c) dense at equal wall-clock; every seed's table."""
-    # (a) the paths of every seed, two processes at a time (one core each)
+    # (a) the paths of every seed, (b) dense with the same rollouts (4x the steps), and, once a
+    # seed's paths and its dense run are both done, (c): the same dense model for the steps it had
+    # done in the paths' wall-clock, as its own run. One queue, two processes at a time (one core
+    # each), the longest first: no core idles at a phase's end
     runs = {s: copy_run(template, a.work, f"paths-s{s}") for s in seeds}
-    jobs = []
+    dense = {s: copy_run(dense_template, a.work, f"dense-s{s}") for s in seeds}
+    dense_wall = {s: copy_run(dense_template, a.work, f"dense-wall-s{s}") for s in seeds}
+    path_jobs = []
     for s in seeds:
         for fam, pid in FAMILIES.items():
             paths_cmd("claim", runs[s], "--path", pid, "--worker", f"worker-{fam}", env=env(f"s{s}-{fam}", a.work))
-            jobs.append((f"s{s}-{pid}", grpo_args(runs[s], pid, a.steps, a.batch, a.lr, s), env(f"s{s}-{fam}", a.work)))
-    path_seconds = in_pairs(jobs, 2)
-    wall = {s: max(path_seconds[f"s{s}-{p}"][1] for p in FAMILIES.values()) for s in seeds}  # four machines at once: the slowest path
-    # (b) dense with the same rollouts (4x the steps); as soon as one is done, its step times give
-    # (c): the same dense model for the steps it had done in the paths' wall-clock, as its own run
-    dense = {s: copy_run(dense_template, a.work, f"dense-s{s}") for s in seeds}
-    dense_wall = {s: copy_run(dense_template, a.work, f"dense-wall-s{s}") for s in seeds}
-    wall_steps: dict[int, int] = {}
+            path_jobs.append((f"s{s}-{pid}", grpo_args(runs[s], pid, a.steps, a.batch, a.lr, s), env(f"s{s}-{fam}", a.work)))
+    path_jobs.sort(key=lambda job: job[0].endswith(FAMILIES["word"]), reverse=True)  # word problems' paths take the longest
     for s in seeds:
         for r, name in ((dense[s], f"dense-s{s}"), (dense_wall[s], f"dense-wall-s{s}")):
             paths_cmd("claim", r, "--path", "p00", "--worker", "dense", env=env(name, a.work))
+    wall: dict[int, float] = {}
+    wall_steps: dict[int, int] = {}
+    ended: dict[str, tuple[float, float]] = {}
 
     def wall_run(name: str, start: float) -> list[tuple[str, list[str], dict]]:
-        if not name.startswith("dense-s"):
-            return []
-        s = int(name.removeprefix("dense-s"))
-        wall_steps[s] = dense_steps_within(metrics(dense[s], "p00"), start, wall[s])
-        return [(f"dense-wall-s{s}", grpo_args(dense_wall[s], "p00", wall_steps[s], a.batch, a.lr, s), env(f"dense-wall-s{s}", a.work))]
+        ended[name] = (start, time.time() - start)
+        queued = []
+        for s in seeds:
+            parts = [f"s{s}-{p}" for p in FAMILIES.values()]
+            if s in wall or f"dense-s{s}" not in ended or any(p not in ended for p in parts):
+                continue
+            wall[s] = max(ended[p][1] for p in parts)  # four machines at once: the slowest path
+            wall_steps[s] = dense_steps_within(metrics(dense[s], "p00"), ended[f"dense-s{s}"][0], wall[s])
+            queued.append((f"dense-wall-s{s}", grpo_args(dense_wall[s], "p00", wall_steps[s], a.batch, a.lr, s), env(f"dense-wall-s{s}", a.work)))
+        return queued
 
-    jobs = [(f"dense-s{s}", grpo_args(dense[s], "p00", 4 * a.steps, a.batch, a.lr, s), env(f"dense-s{s}", a.work)) for s in seeds]
-    dense_seconds = in_pairs(jobs, 2, wall_run)
+    dense_jobs = [(f"dense-s{s}", grpo_args(dense[s], "p00", 4 * a.steps, a.batch, a.lr, s), env(f"dense-s{s}", a.work)) for s in seeds]
+    seconds = in_pairs(dense_jobs + path_jobs, 2, wall_run)
+    path_seconds = {k: v for k, v in seconds.items() if not k.startswith("dense")}
+    dense_seconds = {k: v for k, v in seconds.items() if k.startswith("dense")}
     # held-out accuracy per family
     tables = {}
     for s in seeds:
