@@ -103,9 +103,9 @@ def grpo_args(run: str, path: str, steps: int, batch: int, lr: float, seed: int,
             *sets(batch, lr, f"seed={seed}", *extra)]
 
 
-def in_pairs(jobs: list[tuple[str, list[str], dict]], width: int, then: Callable[[str, float], list[tuple[str, list[str], dict]]] | None = None) -> dict[str, tuple[float, float]]:
-    """Run `paths` jobs `width` at a time (a new one starts as soon as one ends); `then(name, start)`
-    may queue more once a job is done. Each job's (start time, seconds)."""
+def in_pairs(jobs: list[tuple[str, list[str], dict]], width: int, then: Callable[[dict[str, tuple[float, float]]], list[tuple[str, list[str], dict]]] | None = None) -> dict[str, tuple[float, float]]:
+    """Run `paths` jobs `width` at a time (a new one starts as soon as one ends); `then(done)` may
+    queue more each time a job ends. Each job's (start time, seconds)."""
     pending, running, done = list(jobs), {}, {}
     while pending or running:
         while pending and len(running) < width:
@@ -117,7 +117,7 @@ def in_pairs(jobs: list[tuple[str, list[str], dict]], width: int, then: Callable
                 finish([(name, proc)])
                 done[name] = (t0, time.time() - t0)
                 del running[name]
-                pending += then(name, t0) if then else []
+                pending += then(done) if then else []
     return done
 
 
@@ -253,10 +253,7 @@ def sync_arms(a, template: str, dense_template: str, seeds: list[int]) -> dict:
             paths_cmd("claim", r, "--path", "p00", "--worker", "dense", env=env(name, a.work))
     wall: dict[int, float] = {}
     wall_steps: dict[int, int] = {}
-    ended: dict[str, tuple[float, float]] = {}
-
-    def wall_run(name: str, start: float) -> list[tuple[str, list[str], dict]]:
-        ended[name] = (start, time.time() - start)
+    def wall_run(ended: dict[str, tuple[float, float]]) -> list[tuple[str, list[str], dict]]:
         queued = []
         for s in seeds:
             parts = [f"s{s}-{p}" for p in FAMILIES.values()]

@@ -40,15 +40,16 @@ def fusable(model: torch.nn.Module) -> bool:
     if hasattr(model, "_original_forward") or _sharded(model):  # accelerate's autocast wrapper; FSDP2
         return False
     head = model.get_output_embeddings()
-    return isinstance(head, torch.nn.Linear) and head.bias is None and hasattr(model, "get_decoder")
+    return isinstance(head, torch.nn.Linear) and head.bias is None
 
 
 def _sharded(model: torch.nn.Module) -> bool:
+    """FSDP2 shards the root with its layers (paths/fsdp.py), as fully_shard's users do."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch built without distributed
         return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    return isinstance(model, FSDPModule)
 
 
 def head_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:

@@ -274,13 +274,14 @@ class Trainer:
     def _fit(self) -> Result:
         cfg, acc = self.cfg, self.acc
         start = self._resume()
-        scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg), last_epoch=start - 1) if start else torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
         if not self.fsdp:  # FSDP2 syncs gradients itself: no DDP wrapper
             self.model, self.optimizer = acc.prepare(self.model, self.optimizer)
         for cb in self.callbacks:
             cb.started(self)
-        if self.step != start:  # a callback moved the loop on (a DiLoCo path skipping rounds made without it)
-            scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg), last_epoch=self.step - 1)
+        for group in self.optimizer.param_groups:  # a fresh optimizer's; a resumed one saved its own
+            group.setdefault("initial_lr", group["lr"])
+        # the schedule where the loop starts: resumed, or moved on by a callback (a DiLoCo path skipping rounds made without it)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg), last_epoch=self.step - 1)
         multiple = self.step_fn.checkpoint_multiple
         bar = _progress(self.show_progress and self.main, self.step, cfg.steps, f"{self.desc} {self.unit}")
         last_ckpt_time, t0, tokens_at_t0 = time.time(), time.time(), self.tokens

@@ -137,6 +137,7 @@ def complete(model: torch.nn.Module, records: list[dict[str, Any]], group: int, 
     per = chunk // shared
     device, eos, pad = device_of(model), tokenizer.eos_token_id, tokenizer.pad_token_id
     was_training = model.training
+    drawn: torch.Tensor | None = None
     model.eval()
     ids_out: list[list[int]] = []
     truncated: list[bool] = []
@@ -147,19 +148,19 @@ def complete(model: torch.nn.Module, records: list[dict[str, Any]], group: int, 
                 u = None if uniforms is None else uniforms[i * shared : (i + per) * shared].to(device)
                 steps: list[torch.Tensor] | None = [] if logprobs is not None else None
                 out = generate(model, ids, mask, max_new_tokens, temperature, top_p, eos, pad, repeats=shared, uniforms_NC=u, logprobs=steps).tolist()
-                if steps is not None:
-                    drawn = torch.stack(steps, 1).float().cpu()  # (N, T)
-                    logprobs += [drawn[r, : seq.index(eos) + 1 if eos in seq else len(seq)].tolist() for r, seq in enumerate(out)]
+                drawn = torch.stack(steps, 1).float().cpu() if steps is not None else None  # (N, T)
             else:  # a model with its own decoding (the ensemble): its generate()
                 if uniforms is not None or logprobs is not None:
                     raise DataError(f"{type(model).__name__} decodes with its own generate(): it cannot sample from given seeds or give its log-probs")
                 ids, mask = ids.repeat_interleave(shared, 0), mask.repeat_interleave(shared, 0)
                 sampled = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
                 out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, **sampled)[:, ids.shape[1]:].tolist()
-            for seq in out:
+            for r, seq in enumerate(out):
                 n = seq.index(eos) + 1 if eos in seq else len(seq)
                 ids_out.append(seq[:n])
                 truncated.append(eos not in seq[:n])
+                if logprobs is not None:
+                    logprobs.append(drawn[r, :n].tolist())
     finally:
         model.train(was_training)
     return ids_out, truncated

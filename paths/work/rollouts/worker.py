@@ -225,7 +225,7 @@ def _sample(model: torch.nn.Module, records: list[dict[str, Any]], rewards: list
         with torch.inference_mode():
             samples = episodes.samples(model, records, rewards, tokenizer, group=cfg.group_size, budget=cfg.max_new_tokens, temperature=cfg.temperature,
                                        top_p=cfg.top_p, chunk=chunk, uniforms=uniforms)
-        logp = pad_rows(samples.logprobs, max(1, max(map(len, samples.logprobs))), "cpu", torch.float32)
+        logp = _padded(samples.logprobs)
         if episodes.deterministic:
             return samples, logp, {"environment": "replayed"}
         from paths.work.episodes import episode_keys
@@ -236,8 +236,13 @@ def _sample(model: torch.nn.Module, records: list[dict[str, Any]], rewards: list
         completion_ids, truncated = complete(model, records, cfg.group_size, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                                              chunk=chunk, uniforms=uniforms, logprobs=drawn)
         if drawn is not None:
-            logp = pad_rows(drawn, max(1, max(map(len, drawn))), "cpu", torch.float32)
+            logp = _padded(drawn)
         else:
             ids, attention, p, _ = pack(records, completion_ids, cfg.group_size, tokenizer.pad_token_id, torch.device("cpu"))
             logp = logprobs_in_chunks(model, ids, attention, p, cfg.temperature, cfg.batch_size * cfg.group_size)
     return score_samples(records, completion_ids, truncated, rewards, cfg, tokenizer), logp, {}
+
+
+def _padded(rows: list[list[float]]) -> torch.Tensor:
+    """Per-completion log-probs as an (N, C) float tensor, right-padded with 0."""
+    return pad_rows(rows, max(1, max(map(len, rows))), "cpu", torch.float32)
