@@ -7,6 +7,7 @@ still verify. Runs its own event loop in a thread; `counts` says what it did."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import socket
 import threading
@@ -27,7 +28,9 @@ def _error(status: int, code: str) -> web.Response:
 class FaultProxy:
     def __init__(self, upstream: str, share: float, seed: int = 0, slow_s: float = 2.5):
         self.upstream, self.share, self.slow_s = upstream.rstrip("/"), share, slow_s
-        self.rng = random.Random(seed)
+        self.rng = random.Random(seed)  # whether a request faults
+        # which fault goes round the kinds, so every kind shows up once a few requests faulted
+        self._kinds = {False: itertools.cycle(KINDS), True: itertools.cycle(CONDITIONAL_KINDS)}
         self.counts: Counter[str] = Counter()
         self.log: list[tuple] = []  # (method, path, conditional headers, fault) of every request
         self.enabled = True
@@ -43,7 +46,7 @@ class FaultProxy:
     def _pick(self, conditional: bool) -> str | None:
         if not self.enabled or self.rng.random() >= self.share * (2 if conditional else 1):
             return None
-        return self.rng.choice(CONDITIONAL_KINDS if conditional else KINDS)
+        return next(self._kinds[conditional])
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
