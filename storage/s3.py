@@ -10,7 +10,7 @@ from typing import Any
 
 from storage.errors import NotFound, PreconditionFailed, StorageError
 from storage.retry import RetryPolicy, s3_error
-from storage.store import Store
+from storage.store import HIDDEN_PREFIX, Store
 
 _PRECONDITION = frozenset({"PreconditionFailed", "412"})
 _MISSING = frozenset({"NoSuchKey", "404", "NotFound"})
@@ -155,6 +155,15 @@ class S3Store(Store):
     def put_if_match(self, key: str, data: bytes, etag: str) -> str:
         """PUT with If-Match: etag — fails once anyone else has written the object."""
         return self._conditional(key, data, lambda: self._put(key, data, IfMatch=etag))
+
+    def list_page(self, prefix: str, after: str = "", limit: int = 1000) -> tuple[list[str], str | None]:
+        """One ListObjectsV2 request: at most `limit` keys (S3 caps it at 1000) after `after`."""
+        start = {"StartAfter": self._key(after)} if after else {}
+        reply = self._call(prefix, lambda: self.fs.call_s3("list_objects_v2", Bucket=self.bucket, Prefix=self._key(prefix.rstrip("/")) + "/", MaxKeys=limit, **start))
+        skip = len(self.prefix) + 1 if self.prefix else 0
+        keys = [o["Key"][skip:] for o in reply.get("Contents", [])]
+        last = keys[-1] if keys and reply.get("IsTruncated") else None
+        return [k for k in keys if not any(part.startswith(HIDDEN_PREFIX) for part in k.split("/"))], last
 
     def read_with_etag(self, key: str) -> tuple[bytes, str]:
         """GET: the body and the ETag of the same version."""

@@ -202,6 +202,13 @@ class Store:
             out.append(ObjectInfo(key=key, size=int(info.get("size") or 0), mtime=_mtime(info)))
         return sorted(out, key=lambda o: o.key)
 
+    def list_page(self, prefix: str, after: str = "", limit: int = 1000) -> tuple[list[str], str | None]:
+        """One page of the keys under prefix in key order: at most `limit` keys greater than
+        `after` ('' from the first), and the key to list on after (None: no more). On S3 it is
+        one request whose reply, and the time to parse it, grows with `limit`."""
+        keys = [o.key for o in self.list(prefix) if o.key > after]
+        return keys[:limit], (keys[limit - 1] if len(keys) > limit else None)
+
     # -- writes ---------------------------------------------------------------------------------
     def write(self, key: str, data: bytes) -> None:
         """Write the object atomically: readers see the old object or the new one, never a part."""

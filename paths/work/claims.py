@@ -14,6 +14,7 @@ holder whose renewal is refused (412) has lost the lease and must stop writing (
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import os
@@ -23,14 +24,15 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from paths.errors import ConfigurationError, DataError, LeaseLost, NothingToClaim, NotFound, PathsError, PreconditionFailed, StillWaiting
 from storage.layout import Run
 
 STATES = ("claimed", "done", "failed", "open", "waiting")
 MIN_TTL = 5.0  # seconds: `paths train` takes about 1 s from start to its first renewal, then renews every ttl/3
-PROBES = 2  # create-only guesses before one listing of claims/ (a listing costs 2-3 of them)
+PROBES = 2  # create-only guesses before claims/ is listed
+LIST_PAGE = 32  # keys in the first page of that listing (a page of 32 costs about one put; 1,000 about five)
 HISTORY = 32  # tenures kept in a claim record's history
 GRACE = (0.1, 0.25)  # a takeover waits this share of the holder's ttl past expiry (jittered, at most 30 s)
 
@@ -134,12 +136,14 @@ def claimable(record: dict[str, Any] | None, now: float, ready: Callable[[int], 
 def claim(run: Run, paths: list[str], *, ttl: float = 600, worker: str | None = None, rng: random.Random | None = None, wait: float = 0.0) -> Lease:
     """Claim one of `paths`: the first claimable one in a random order (so racing workers rarely
     collide), by create-only put or by takeover of an expired / released record. Round trips: the
-    first PROBES tries are a create-only put alone each (a refusal is not read back at once: the
-    path goes to the end of the order, and if its record, read then, is the one this guess tried to
-    create, the HTTP client resent our put by itself and the claim is ours; a record of ours never
-    read again expires with its ttl and is taken over, nobody writing to it meanwhile); then one
-    listing of claims/, a create-only put where it shows no record, and a read and a conditional
-    put per path with one.
+    first PROBES tries are a create-only put alone each; then claims/ listed a page at a time from
+    a random point (`_scan`), a create-only put where a page shows no record, and, once no page has
+    a free path left, a read and a conditional put per path with a record. A refused
+    create-only put is not read back at once: the path goes to the end of the order, and if its
+    record, read then, is the one the put tried to create, the HTTP client resent our put by itself
+    and the claim is ours; a record of ours never read again expires with its ttl and is taken
+    over, nobody writing to it meanwhile. (Near the end of a run, where racers find the same few
+    free paths, a read back at once would add a round trip to every lost race.)
     `wait`: seconds to keep trying while paths wait for a DiLoCo round's outer step."""
     if ttl <= 0:
         raise ConfigurationError(f"--ttl must be > 0 seconds, got {ttl}")
@@ -156,7 +160,6 @@ def claim(run: Run, paths: list[str], *, ttl: float = 600, worker: str | None = 
 
 
 def _claim(run: Run, paths: list[str], ttl: float, worker: str, rng: random.Random) -> Lease:
-    order = rng.sample(paths, len(paths))  # each worker its own order: no clusters of held paths to walk past
     outer: dict[int, bool] = {}
 
     def ready(r: int) -> bool:  # a DiLoCo round's outer step is there, or nobody is computing it (looked up once per claim)
@@ -165,24 +168,17 @@ def _claim(run: Run, paths: list[str], ttl: float, worker: str, rng: random.Rand
         return outer[r]
 
     waiting = 0
-    recorded: set[str] | None = None  # paths with a claim record, once listed
-    guessed: dict[str, bytes] = {}  # path -> the record a refused guess tried to create
-    i = 0
-    while i < len(order):
-        if i == PROBES and recorded is None:  # a few held ones in a row: one listing finds those nobody claimed yet
-            listed = {o.key for o in run.store.list("claims")}
-            recorded = {p for p in paths if run.claim(p) in listed}
-            order[i:] = sorted(order[i:], key=lambda p: p in recorded)  # stable: still in random order, the unrecorded first
-        path = order[i]
-        guess = recorded is None and path not in guessed  # a try before the listing guesses "nobody claimed it": one create-only put
-        i += 1
-        record, etag = (None, None) if guess or (recorded is not None and path not in recorded) else read_claim(run, path)
-        if path in guessed and record is not None and _dump(record) == guessed[path]:  # our refused guess was ours after all (a resent put)
+    guessed: dict[str, bytes] = {}  # path -> the record a refused create-only put tried to create
+    held: list[str] = []  # paths with a record, read in turn once no free one is left
+
+    def take(path: str, record: dict[str, Any] | None, etag: str | None) -> Lease | None:
+        nonlocal waiting
+        if path in guessed and record is not None and _dump(record) == guessed[path]:  # our refused put was ours after all (resent)
             return Lease(run, path, worker, ttl, etag, record)
         now = time.time()
         if not claimable(record, now, ready) or (record is not None and record.get("state") == "claimed" and now < takeover_at(record, rng)):
             waiting += record is not None and record.get("state") == "waiting"
-            continue
+            return None
         new = {
             "path": path, "state": "claimed", "worker": worker, "ttl": ttl,
             "generation": 1 if record is None else int(record.get("generation", 0)) + 1,
@@ -195,20 +191,59 @@ def _claim(run: Run, paths: list[str], ttl: float, worker: str, rng: random.Rand
                 if k in record:
                     new[k] = record[k]
         try:
-            if record is None:
-                new_etag = run.store.put_if_absent(run.claim(path), _dump(new), confirm=not guess)  # a refused guess is not read back here (see the docstring)
+            if record is None:  # a path's first create-only put is not read back when refused (see the docstring)
+                new_etag = run.store.put_if_absent(run.claim(path), _dump(new), confirm=path in guessed)
             else:
                 new_etag = run.store.put_if_match(run.claim(path), _dump(new), etag)
         except (PreconditionFailed, NotFound):
-            if guess:
+            if record is None and path not in guessed:
                 guessed[path] = _dump(new)
-                order.append(path)  # it has a record after all: read it in its turn (it may be expired or open, or this very guess)
-            continue  # another worker won this one: try the next
+                held.append(path)  # it has a record after all: read it in its turn (it may be expired or open, or this very put)
+            return None  # another worker won this one: try the next
         return Lease(run, path, worker, ttl, new_etag, new)
+
+    order = rng.sample(paths, len(paths))  # each worker its own order: no clusters of held paths to walk past
+    for path in order[:PROBES]:  # guesses that nobody claimed it: one create-only put each
+        if lease := take(path, None, None):
+            return lease
+    if len(paths) > PROBES:  # a few held ones in a row: list claims/ for those nobody claimed yet
+        for free, recorded in _scan(run, paths, rng):
+            for path in free:
+                if path not in guessed and (lease := take(path, None, None)):
+                    return lease
+            held.extend(p for p in recorded if p not in guessed)
+    i = 0
+    while i < len(held):  # grows while read: a put refused here goes to the end
+        path, i = held[i], i + 1
+        if lease := take(path, *read_claim(run, path)):
+            return lease
     if waiting:
         raise StillWaiting(f"nothing to claim in {run.url} now: {waiting} paths wait for a DiLoCo round's outer step, which the worker of the round's last path computes; "
                            "claim again in a while (`paths claim --wait SECONDS`)", waiting=waiting)
     raise NothingToClaim(f"nothing to claim in {run.url}: every path is done, failed or held by a live lease")
+
+
+def _scan(run: Run, paths: list[str], rng: random.Random) -> Iterator[tuple[list[str], list[str]]]:
+    """claims/ listed a page at a time from a random one of `paths` on, round to the start and up
+    to it: (free, recorded) of `paths` in each page: the free path nearest the start first (racers
+    start apart, so they go for different paths as if each drew one of all the free ones), the
+    others and the recorded ones in a random order. Racers stop at the first page with a free path,
+    so one small page is the usual cost even where 1,000s of paths have records; pages grow
+    (LIST_PAGE keys, then twice as many each time) where few are free."""
+    by_key = sorted((run.claim(p), p) for p in paths)
+    keys = [k for k, _ in by_key]
+    first, size = rng.randrange(len(keys)), LIST_PAGE
+    for lo, hi in ((first, len(keys)), (0, first)):
+        after = keys[lo - 1] if lo else ""
+        while lo < hi:
+            listed, after = run.store.list_page("claims", after, size)
+            end = hi if after is None else min(hi, bisect.bisect_right(keys, after))
+            there = set(listed)
+            free, recorded = [p for k, p in by_key[lo:end] if k not in there], [p for k, p in by_key[lo:end] if k in there]
+            yield free[:1] + rng.sample(free[1:], max(0, len(free) - 1)), rng.sample(recorded, len(recorded))
+            lo, size = end, min(1000, 2 * size)
+            if after is None:
+                break
 
 
 def outer_done(run: Run, r: int) -> bool:

@@ -31,6 +31,28 @@ def test_roundtrip_and_listing(store):
     assert b"".join(store.iter_chunks("a/d.txt", chunk=4)) == b"hello world"
 
 
+def test_listing_a_page_at_a_time(store):
+    """list_page walks the keys under a prefix in key order, `limit` at a time, from any key on,
+    leaving out scratch files; the key to go on after is None at the end."""
+    from storage.store import HIDDEN_PREFIX
+
+    keys = [f"claims/p{i:02d}.json" for i in range(7)]
+    for k in keys + ["claims-other/x.json", "top.json"]:
+        store.write(k, b"{}")
+    store.write(f"claims/{HIDDEN_PREFIX}tmp-1", b"scratch")  # a scratch file: never in a page
+    got, after, pages = [], "", 0
+    while True:
+        page, after = store.list_page("claims", after, 3)
+        got, pages = got + page, pages + 1
+        assert len(page) <= 3
+        if after is None:
+            break
+    assert got == keys and pages == 3
+    assert store.list_page("claims", "claims/p02.json", 2) == (["claims/p03.json", "claims/p04.json"], "claims/p04.json")
+    assert store.list_page("claims", "claims/p05.json", 10) == (["claims/p06.json"], None)
+    assert store.list_page("nothing", "", 10) == ([], None)
+
+
 def test_overwrite_and_delete(store):
     store.write("k", b"one")
     store.write("k", b"two")

@@ -130,3 +130,75 @@ def test_a_refused_guess_that_was_our_own_put_is_claimed(run2, paths):
     record, etag = read_claim(run2, lease.path)
     assert record["worker"] == "me" and etag == lease.etag
     lease.renew()  # and it is really held: the etag is the record's
+
+
+def _racing(run2, resend_after_listing: bool):
+    """put_if_absent as it goes near a run's end: a racer creates every path this claim guesses
+    before its listing, and the first path it tries after the listing (or, `resend_after_listing`,
+    that put lands and the HTTP client's resend of it answers 412). Records each put's confirm."""
+    from paths.errors import PreconditionFailed
+
+    real_put, real_list, seen = run2.store.put_if_absent, run2.store.list, {"listed": False, "confirm": [], "reads": 0}
+
+    def put(key, data, **kw):
+        seen["confirm"].append(kw.get("confirm", True))
+        if not seen["listed"] or len(seen["confirm"]) == 3:
+            if resend_after_listing and seen["listed"]:
+                real_put(key, data)
+            else:
+                real_put(key, json.dumps({"path": key, "state": "claimed", "worker": "racer", "generation": 1, "expires_at": time.time() + 600}).encode())
+            raise PreconditionFailed(f"{key} already exists")
+        return real_put(key, data, **kw)
+
+    def listing(*a, **k):
+        seen["listed"] = True
+        return real_list(*a, **k)
+
+    def read(*a, _f=run2.store.read_with_etag, **k):
+        seen["reads"] += 1
+        return _f(*a, **k)
+
+    run2.store.put_if_absent, run2.store.list, run2.store.read_with_etag = put, listing, read
+    return seen
+
+
+def test_a_put_that_loses_a_race_after_the_listing_is_not_read_back(run2):
+    """Near a run's end racers list the same few free paths: a lost create-only put goes on to the
+    next free path at once (no read back, one round trip saved per lost race)."""
+    paths = ["p00-00", "p00-01", "p00-02", "p00-03"]
+    seen = _racing(run2, resend_after_listing=False)
+    lease = claim(run2, paths, ttl=600, worker="me", rng=random.Random(0))
+    assert seen["listed"] and len(seen["confirm"]) == 4 and seen["reads"] == 0
+    assert seen["confirm"] == [False] * 4  # no put was read back by the store either
+    assert lease.worker == "me" and read_claim(run2, lease.path)[0]["worker"] == "me"
+    assert sorted(p for p in paths if read_claim(run2, p)[0]["worker"] == "racer") == sorted(set(paths) - {lease.path})
+
+
+def test_a_put_after_the_listing_whose_resend_was_refused_is_claimed(run2):
+    """The one free path after the listing: its put landed and the resend answered 412; the record,
+    read once the order comes back to it, is this put's, so the claim is ours."""
+    paths = ["p00-00", "p00-01", "p00-02"]
+    seen = _racing(run2, resend_after_listing=True)
+    lease = claim(run2, paths, ttl=600, worker="me", rng=random.Random(0))
+    assert seen["listed"] and len(seen["confirm"]) == 3 and seen["confirm"] == [False] * 3
+    assert lease.worker == "me" and lease.generation == 1
+    record, etag = read_claim(run2, lease.path)
+    assert record["worker"] == "me" and etag == lease.etag
+    lease.renew()
+
+
+@pytest.mark.parametrize("page", [1, 2, 5, 32])
+def test_the_paged_listing_sees_every_path_once_from_any_start(run2, monkeypatch, page):
+    """_scan from every start, any page size, over a subset of the paths with other paths' records
+    between theirs: every path of the subset comes once, free exactly when it has no record."""
+    import paths.work.claims as claims_mod
+
+    monkeypatch.setattr(claims_mod, "LIST_PAGE", page)
+    everything = [f"p0{a}-0{b}" for a in range(4) for b in range(4)]
+    for p in everything[::3]:  # records: some of the subset's, and others' between them
+        claim(run2, [p], ttl=600, worker="other")
+    subset = everything[1::2]
+    for seed in range(12):
+        seen = [(p, free) for free_ps, recorded in claims_mod._scan(run2, subset, random.Random(seed)) for p, free in [(x, True) for x in free_ps] + [(x, False) for x in recorded]]
+        assert sorted(p for p, _ in seen) == sorted(subset)
+        assert all(free == (p not in everything[::3]) for p, free in seen)
