@@ -1,18 +1,23 @@
 """An 8-bit actor for a full-precision learner (QuaRL): a copy of a model whose matrix multiplies
-run in int8 with dynamic activation quantization (fbgemm / qnnpack on CPU).
+run in int8, weights quantized per output channel and activations per token as they come.
 
-torch's `quantize_dynamic` converts `nn.Linear` layers only, and transformers keeps a MoE layer's
-experts as fused 3-D parameters (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) that no
-`nn.Linear` holds: left alone, the feed-forward half of every layer, most of the arithmetic,
-would stay in fp32. `Int8Experts` takes each expert's two matrices as quantized linear layers
-and runs transformers' eager routing loop over them. Routers (`mlp.gate`) stay fp32: which
-expert a token goes to is not left to rounding.
+Per token, not per tensor: torch's dynamic quantization scaled a whole input tensor by its largest
+value, so a token's rounding depended on the tokens it was batched with, and the same completion
+came out differently sampled one token at a time (a KV cache) and checked in one teacher-forced
+pass: an honest int8 worker missed its seeded draws by up to 0.33 of probability mass. Here a
+token's row is quantized by its own scale and multiplied in int32 (`torch._int_mm`, exact), so
+its output is the same in any batch.
+
+transformers keeps a MoE layer's experts as fused 3-D parameters (`gate_up_proj` [E, 2I, H],
+`down_proj` [E, H, I]) that no `nn.Linear` holds: left alone, the feed-forward half of every
+layer, most of the arithmetic, would stay in fp32. `Int8Experts` takes each expert's two matrices
+as int8 linear layers and runs transformers' eager routing loop over them. Routers (`mlp.gate`)
+stay fp32: which expert a token goes to is not left to rounding.
 """
 
 from __future__ import annotations
 
 import copy
-import warnings
 
 import torch
 from torch import nn
@@ -20,21 +25,47 @@ from torch import nn
 from paths.errors import ConfigurationError
 
 
-def _quantize(module: nn.Module) -> nn.Module:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice (its dynamic int8 Linear is what runs)
-        from torch.ao.quantization import quantize_dynamic
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W in int8 (a scale per output channel) and each row of x quantized to
+    int8 by its own largest value: one row's output does not depend on the other rows."""
 
-        return quantize_dynamic(module, {nn.Linear}, dtype=torch.qint8, inplace=True)
+    def __init__(self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None = None):
+        super().__init__()
+        w_OI = weight_OI.detach().float()
+        scale_O = w_OI.abs().amax(dim=1).clamp_min(1e-12) / 127
+        self.register_buffer("weight_OI", torch.round(w_OI / scale_O[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale_O", scale_O)
+        self.register_buffer("bias_O", None if bias_O is None else bias_O.detach().float().clone())
+        self.in_features, self.out_features = w_OI.shape[1], w_OI.shape[0]
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> "Int8Linear":
+        return cls(linear.weight, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_NI = x.reshape(-1, self.in_features).float()
+        scale_N1 = x_NI.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
+        q_NI = torch.round(x_NI / scale_N1).to(torch.int8)
+        y_NO = torch._int_mm(q_NI, self.weight_OI.t()).float() * scale_N1 * self.scale_O
+        if self.bias_O is not None:
+            y_NO = y_NO + self.bias_O
+        return y_NO.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias_O is not None}"
+
+
+def _quantize(module: nn.Module) -> nn.Module:
+    """Every nn.Linear under `module` (or `module` itself) as an Int8Linear."""
+    if isinstance(module, nn.Linear):
+        return Int8Linear.of(module)
+    for name, child in list(module.named_children()):
+        setattr(module, name, _quantize(child))
+    return module
 
 
 def _linears(weights_EOI: torch.Tensor) -> nn.ModuleList:
-    layers = nn.ModuleList()
-    for w_OI in weights_EOI.detach().float():
-        layer = nn.Linear(w_OI.shape[1], w_OI.shape[0], bias=False)
-        layer.weight = nn.Parameter(w_OI.clone(), requires_grad=False)
-        layers.append(layer)
-    return _quantize(layers)
+    return nn.ModuleList(Int8Linear(w_OI) for w_OI in weights_EOI)
 
 
 def is_fused_experts(module: nn.Module) -> bool:
@@ -70,7 +101,7 @@ class Int8Experts(nn.Module):
 def int8_copy(model: nn.Module) -> nn.Module:
     """An fp32 copy of `model` with every linear layer and every fused expert in int8 (the original
     is untouched: the learner keeps it)."""
-    q = copy.deepcopy(model).to("cpu", torch.float32)  # dynamic quantization runs on the CPU
+    q = copy.deepcopy(model).to("cpu", torch.float32)  # int8 matrix multiplies run on the CPU
     for name, module in list(q.named_modules()):
         if name and is_fused_experts(module):
             parent, _, attr = name.rpartition(".")

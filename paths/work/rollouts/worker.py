@@ -215,11 +215,11 @@ def _sample(model: torch.nn.Module, records: list[dict[str, Any]], rewards: list
     the metadata an episode batch adds (whether the trainer replays the environment or takes its
     recorded answers).
 
-    The log-probs: in fp32, as sampling computed them (the KV-cached pass agrees with the trainer's
-    teacher-forced one to ~1e-6, well inside the seed check's `prob`; a second pass over the
-    completions cost more than sampling them). In bf16 and int8 a teacher-forced pass, the one the
-    seed check repeats: their activations round (and int8's quantize) differently one token at a
-    time, by up to 0.1 of probability in int8 (README, "Rollouts nobody has to trust")."""
+    The log-probs: in fp32 and int8, as sampling computed them (the KV-cached pass agrees with the
+    trainer's teacher-forced one to ~1e-6, well inside the seed check's `prob`: int8 quantizes each
+    token by its own scale, so batching does not move it; a second pass over the completions cost
+    more than sampling them). In bf16 a teacher-forced pass, the one the seed check repeats: its
+    activations round differently one token at a time (README, "Rollouts nobody has to trust")."""
     chunk = cfg.generation_batch_size or cfg.batch_size * cfg.group_size
     if episodes is not None:
         with torch.inference_mode():
@@ -231,7 +231,7 @@ def _sample(model: torch.nn.Module, records: list[dict[str, Any]], rewards: list
         from paths.work.episodes import episode_keys
 
         return samples, logp, {"environment": "recorded", "environment_messages": [episodes.said.get(k, []) for k in episode_keys(len(records), cfg.group_size)]}
-    drawn: list[list[float]] | None = [] if dtype == "fp32" else None
+    drawn: list[list[float]] | None = [] if dtype in ("fp32", "int8") else None
     with torch.inference_mode():
         completion_ids, truncated = complete(model, records, cfg.group_size, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                                              chunk=chunk, uniforms=uniforms, logprobs=drawn)

@@ -208,15 +208,19 @@ def test_a_group_prefilled_once_samples_what_separate_prompts_sample(rl_run, tmp
     assert once.shape == (12, 6) and torch.equal(once, each)
 
 
-def test_the_log_probs_sampling_computes_are_the_teacher_forced_ones(rl_run, tmp_path):
-    """What a rollout worker in fp32 sends as behaviour log-probs, taken while sampling (groups
-    prefilled once, rows ending at different lengths, left padding), is what one teacher-forced pass
-    of the completions gives, within the seed check's fp32 tolerance and far inside it."""
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_the_log_probs_sampling_computes_are_the_teacher_forced_ones(rl_run, tmp_path, dtype):
+    """What a rollout worker in fp32 or int8 sends as behaviour log-probs, taken while sampling
+    (groups prefilled once, rows ending at different lengths, left padding), is what one
+    teacher-forced pass of the completions in the same dtype gives, within the seed check's fp32
+    tolerance and far inside it (int8 quantizes each token by its own scale)."""
     from paths.work.grpo import logprobs_in_chunks, pack
+    from paths.work.quantize import int8_copy
     from paths.work.sampling import complete
     from sharding.dataset import read_prompts
 
     model, tok = loaded(rl_run, tmp_path)
+    model = int8_copy(model) if dtype == "int8" else model
     records = read_prompts(rl_run, "rl", "p00")[:4]
     torch.manual_seed(0)
     first, _ = complete(model, records, 4, tok, max_new_tokens=12, temperature=0.9, top_p=0.95, chunk=8)

@@ -73,3 +73,32 @@ def test_sampler_int8_routes_each_token_as_the_fp32_experts_do(tiny_run, family_
         ref, got = experts(x, index, weights), q(x, index, weights)
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
     assert sampler(model, "int8") is not model
+
+
+def test_an_int8_token_comes_out_the_same_one_at_a_time_as_in_one_pass(tiny_run, family_name):
+    """Activations quantized per token: logits of a KV-cached decode, one token at a time (as a
+    worker samples), match one teacher-forced pass over the same ids (as the trainer checks) to
+    fp32's own rounding; per-tensor scales moved them by int8's whole error. And an Int8Linear's
+    row is the same in any batch, bit for bit."""
+    from paths.work.quantize import Int8Linear
+
+    if refuses_int8(tiny_run, family_name):
+        return
+    layer = Int8Linear.of(nn.Linear(64, 96))
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(3)) * torch.logspace(-2, 2, 9)[:, None]
+    assert torch.equal(layer(x)[4:5], layer(x[4:5]))
+
+    model = load_base_model(tiny_run).eval()
+    q = int8_copy(model)
+    ids = torch.randint(3, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(0))
+    gaps = {}
+    with torch.no_grad():
+        for name, m in (("fp32", model), ("int8", q)):
+            full = m(ids).logits
+            past, steps = None, []
+            for t in range(ids.shape[1]):
+                out = m(ids[:, t : t + 1], past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                steps.append(out.logits)
+            gaps[name] = (torch.cat(steps, dim=1) - full).abs().max().item()
+    assert gaps["int8"] <= max(1e-4, 20 * gaps["fp32"]), gaps
