@@ -40,7 +40,7 @@ def rejection_sample(run: str, model_spec: str, dataset: str, shard: str | None,
 @click.option("--dataset", required=True, help="The prompt dataset the trainer trains on.")
 @click.option("--worker", help="This worker's name: the one its key was admitted under (found from the key), or in an open run any name (default: hostname-random).")
 @click.option("--key", "key_file", help="Ed25519 private key that signs the batches (default: $PATHS_HOME/worker.key, else .paths/worker.key, when it exists; `paths keys new`).")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "int8"]), default="fp32", show_default=True, help="Sample in this precision; int8: dynamically quantized linear layers (QuaRL).")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "int8"]), default="fp32", show_default=True, help="Sample in this precision; int8: int8 linear layers and experts, activations quantized per token (QuaRL).")
 @click.option("--batches", default=1, show_default=True, help="Rollout batches to write, then stop.")
 @click.option("--wait", default=600.0, show_default=True, help="Seconds to wait for the trainer's first policy version.")
 @click.option("--reward", "rewards", multiple=True, metavar="SPEC[=W]", help="Verifiers, as the trainer's (it recomputes them anyway; default: the dataset's environments, else math_answer).")

@@ -80,7 +80,10 @@ def test_an_int8_token_comes_out_the_same_one_at_a_time_as_in_one_pass(tiny_run,
     worker samples), match one teacher-forced pass over the same ids (as the trainer checks) to
     fp32's own rounding; per-tensor scales moved them by int8's whole error. And an Int8Linear's
     row is the same in any batch, bit for bit."""
+    from transformers import DynamicCache
+
     from paths.work.quantize import Int8Linear
+    from paths.work.sampling import cache_argument
 
     if refuses_int8(tiny_run, family_name):
         return
@@ -95,10 +98,7 @@ def test_an_int8_token_comes_out_the_same_one_at_a_time_as_in_one_pass(tiny_run,
     with torch.no_grad():
         for name, m in (("fp32", model), ("int8", q)):
             full = m(ids).logits
-            past, steps = None, []
-            for t in range(ids.shape[1]):
-                out = m(ids[:, t : t + 1], past_key_values=past, use_cache=True)
-                past = out.past_key_values
-                steps.append(out.logits)
+            kv = {cache_argument(m): DynamicCache()}  # the KV cache sampling keeps
+            steps = [m(ids[:, t : t + 1], use_cache=True, **kv).logits for t in range(ids.shape[1])]
             gaps[name] = (torch.cat(steps, dim=1) - full).abs().max().item()
     assert gaps["int8"] <= max(1e-4, 20 * gaps["fp32"]), gaps
