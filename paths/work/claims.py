@@ -240,10 +240,8 @@ def _scan(run: Run, paths: list[str], rng: random.Random) -> Iterator[tuple[list
             end = hi if after is None else min(hi, bisect.bisect_right(keys, after))
             there = set(listed)
             free, recorded = [p for k, p in by_key[lo:end] if k not in there], [p for k, p in by_key[lo:end] if k in there]
-            yield free[:1] + rng.sample(free[1:], max(0, len(free) - 1)), rng.sample(recorded, len(recorded))
+            yield free[:1] + rng.sample(free[1:], len(free[1:])), rng.sample(recorded, len(recorded))
             lo, size = end, min(1000, 2 * size)
-            if after is None:
-                break
 
 
 def outer_done(run: Run, r: int) -> bool:
