@@ -11,7 +11,7 @@ from typing import Any
 from storage.errors import ConfigurationError, IntegrityError
 from storage.layout import COMMITTED, Run, open_run, parse_checkpoint
 from storage.manifest import MANIFEST, Problem, verify_manifest
-from storage.store import HIDDEN_PREFIX, ObjectInfo, stale_lock
+from storage.store import HIDDEN_PREFIX, ObjectInfo, is_hidden, stale_lock
 
 
 def path_of(key: str) -> str | None:
@@ -223,7 +223,7 @@ def _stale_temp_files(run: Run, older_than_s: float, now: float) -> list[GcItem]
                 continue
             holding.add(folder)
             age = now - info.st_mtime
-            if any(p.startswith(HIDDEN_PREFIX) for p in key.split("/")) and age >= older_than_s:
+            if is_hidden(key) and age >= older_than_s:
                 out.append(GcItem(key, f"temp file, {_age(age)} old", 1, info.st_size))
         if folder in holding or any(os.path.join(folder, d) in holding for d in subfolders):
             holding.add(folder)

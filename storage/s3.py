@@ -10,7 +10,7 @@ from typing import Any
 
 from storage.errors import NotFound, PreconditionFailed, StorageError
 from storage.retry import RetryPolicy, s3_error
-from storage.store import HIDDEN_PREFIX, Store
+from storage.store import Store, is_hidden
 
 _PRECONDITION = frozenset({"PreconditionFailed", "412"})
 _MISSING = frozenset({"NoSuchKey", "404", "NotFound"})
@@ -163,7 +163,7 @@ class S3Store(Store):
         skip = len(self.prefix) + 1 if self.prefix else 0
         keys = [o["Key"][skip:] for o in reply.get("Contents", [])]
         last = keys[-1] if keys and reply.get("IsTruncated") else None
-        return [k for k in keys if not any(part.startswith(HIDDEN_PREFIX) for part in k.split("/"))], last
+        return [k for k in keys if not is_hidden(k)], last
 
     def read_with_etag(self, key: str) -> tuple[bytes, str]:
         """GET: the body and the ETag of the same version."""

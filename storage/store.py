@@ -60,6 +60,11 @@ class ObjectInfo:
     mtime: float | None = None
 
 
+def is_hidden(key: str) -> bool:
+    """Whether a key is one of our scratch files, or lies in one of our scratch folders."""
+    return any(part.startswith(HIDDEN_PREFIX) for part in key.split("/"))
+
+
 def check_key(key: str) -> str:
     """A relative '/'-separated key with no empty, '.' or '..' parts."""
     parts = key.split("/")
@@ -197,7 +202,7 @@ class Store:
             if info.get("type") == "directory":  # some S3 servers list empty "folders"
                 continue
             key = self._rel(path)
-            if not hidden and any(part.startswith(HIDDEN_PREFIX) for part in key.split("/")):  # temp files and folders
+            if not hidden and is_hidden(key):  # temp files and folders
                 continue
             out.append(ObjectInfo(key=key, size=int(info.get("size") or 0), mtime=_mtime(info)))
         return sorted(out, key=lambda o: o.key)

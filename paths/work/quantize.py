@@ -31,21 +31,18 @@ class Int8Linear(nn.Module):
 
     def __init__(self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None = None):
         super().__init__()
-        w_OI = weight_OI.detach().float()
-        scale_O = w_OI.abs().amax(dim=1).clamp_min(1e-12) / 127
-        self.register_buffer("weight_OI", torch.round(w_OI / scale_O[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scale_O", scale_O)
+        q_OI, scale_O1 = _rows_int8(weight_OI.detach().float())
+        self.register_buffer("weight_OI", q_OI)
+        self.register_buffer("scale_O", scale_O1.squeeze(1))
         self.register_buffer("bias_O", None if bias_O is None else bias_O.detach().float().clone())
-        self.in_features, self.out_features = w_OI.shape[1], w_OI.shape[0]
+        self.out_features, self.in_features = q_OI.shape
 
     @classmethod
     def of(cls, linear: nn.Linear) -> "Int8Linear":
         return cls(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_NI = x.reshape(-1, self.in_features).float()
-        scale_N1 = x_NI.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
-        q_NI = torch.round(x_NI / scale_N1).to(torch.int8)
+        q_NI, scale_N1 = _rows_int8(x.reshape(-1, self.in_features).float())
         y_NO = torch._int_mm(q_NI, self.weight_OI.t()).float() * scale_N1 * self.scale_O
         if self.bias_O is not None:
             y_NO = y_NO + self.bias_O
@@ -53,6 +50,12 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias_O is not None}"
+
+
+def _rows_int8(t_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row as int8 in [-127, 127] by its own largest magnitude: (int8 rows, scales (N, 1))."""
+    scale_N1 = t_NK.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
+    return torch.round(t_NK / scale_N1).clamp(-127, 127).to(torch.int8), scale_N1
 
 
 def _quantize(module: nn.Module) -> nn.Module:
