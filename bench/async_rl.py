@@ -13,7 +13,10 @@ to one path (add p00, sub p01, mul p02, word p03).
    steps from the same seed with the held-out reward (greedy, 64 prompts) every 10 steps: wall-clock
    to the held-out reward every arm reaches (goal: 1 worker >= 1.5x sync), completions trained on
    per second, the trainer's own steps (no worker batch within rollout_wait), the mean policy lag
-   and the stale batches; 2 and 4 workers on the one core show where it saturates.
+   and the stale batches; 2 and 4 workers on the one core show where it saturates. An asynchronous
+   arm's wall-clock ends when its trainer exits (its workers stop at their next look). Printed
+   beside the sync arm: the share of groups without signal, whose rows no step computes
+   (grpo.plan_micro_batches), so the sampling share and the bound move with the reward.
 2. int8 vs fp32 rollout workers: tokens/s of `paths rollout --dtype int8` and `fp32` from the same
    published policy, alternating, and the share of tokens the trainer masks (icepop) in one step
    on each's batches; then the same comparison by model width (mini, small and bench-mixtral,
@@ -69,8 +72,10 @@ def async_arm(work: str, run: str, path: str, steps: int, batch: int, lr: float,
     for w in range(workers):
         procs.append((f"worker {w}", paths_cmd("rollout", run, "--path", path, "--dataset", "rl", "--key", keys[w], "--dtype", dtype, "--batches", str(10 * steps), *REWARDS,
                                                *sets(batch, lr, *sampling), "--no-progress", env=env(f"w-{path}-{w}{tag}", work, 1), wait=False, cpus=WORKER_CPUS)))
-    finish(procs)
-    return time.time() - t0
+    finish(procs[:1])
+    wall = time.time() - t0  # the trainer's: its model is final when it exits (workers stop at their next look at the path)
+    finish(procs[1:])
+    return wall
 
 
 def plain_steps(records: list[dict]) -> list[tuple[dict, float]]:
@@ -184,6 +189,8 @@ def main() -> None:
         else:
             row |= {"own_steps": sum(m["own_batches"] for m in ms), "policy_lag": sum(m["policy_lag"] for m in ms) / len(ms),
                     "stale_batches": sum(m.get("stale_batches", 0) for m in ms), "mismatch_masked": sum(m["mismatch_masked"] for m in ms) / len(ms)}
+        row["zero_variance_groups"] = statistics.mean(m["zero_variance_groups"] for m in ms)  # their rows are not computed (grpo.plan_micro_batches)
+        row["rows_computed"] = statistics.mean(m["rows_computed"] for m in ms)
         machine[str(name)] = row
     for k in workers:
         machine[str(k)]["speedup_to_target"] = machine["sync"]["to_target_s"] / machine[str(k)]["to_target_s"]
@@ -230,7 +237,8 @@ def main() -> None:
     print(f"\n1. what a rollout machine buys (p00, {a.steps} steps x {a.batch} prompts x 8; trainer on core 0, workers on core 1, one thread each); "
           f"to held-out reward {target:.3f}:")
     print(f"   sync, one core: {sy['wall_s']:.0f}s ({sy['completions_per_s']:.1f} completions/s of {sy['completion_length']:.0f} tokens; a step {sy['median_step_s']:.2f}s, {sy['sampling_share']:.0%} of it sampling: "
-          f"a rollout machine can buy at most {sy['speedup_bound']:.2f}x), to target {sy['to_target_s']:.0f}s")
+          f"a rollout machine can buy at most {sy['speedup_bound']:.2f}x), to target {sy['to_target_s']:.0f}s; "
+          f"{sy['zero_variance_groups']:.0%} of groups without signal, {sy['rows_computed']:.0%} of rows computed")
     for k in workers:
         m = machine[str(k)]
         print(f"   async + {k} worker{'s' if k > 1 else ''} on the other core: {m['wall_s']:.0f}s ({m['completions_per_s']:.1f}/s, {m['speedup_throughput']:.2f}x; a step {m['median_step_s']:.2f}s), to target {m['to_target_s']:.0f}s "

@@ -45,7 +45,8 @@ def group_advantages(rewards_N: torch.Tensor, group: int, scale: Scale) -> torch
     """reward - its group's mean, divided by the group's std (`group`), the batch's (`batch`) or
     nothing (`none`, Dr. GRPO); a group whose rewards are all equal gets zero advantage."""
     r_GK = rewards_N.view(-1, group)  # (prompts, G)
-    centred = (r_GK - r_GK.mean(1, keepdim=True)).view(-1)
+    same = (r_GK == r_GK[:, :1]).all(1, keepdim=True)  # exactly zero there: the mean of equal rewards can be an ulp off them (8 x 1.2)
+    centred = torch.where(same, 0.0, r_GK - r_GK.mean(1, keepdim=True)).view(-1)
     if scale == "group":
         return centred / (r_GK.std(1, keepdim=True).expand_as(r_GK).reshape(-1) + 1e-4)
     if scale == "batch":
@@ -278,21 +279,76 @@ def rollout(model: torch.nn.Module, ref_model: torch.nn.Module | None, records: 
 
 
 # -- one optimizer step -----------------------------------------------------------------------------
+MICRO_BATCH_COST = 256  # a micro-batch's fixed cost (launches, per-op overhead) in padded tokens, for plan_micro_batches
+
+
+def plan_micro_batches(ro: Rollout, cfg: TrainConfig, micro_rows: list[slice], ranks: int = 1) -> list[torch.Tensor]:
+    """The rows each micro-batch computes, as index tensors; the same loss and gradients as
+    `micro_rows`, with less work. A row with zero advantage adds nothing to the loss or its
+    gradient (no KL term): it is left out, and so is a row with no token in the loss. The rest
+    are sorted by length and cut where padding costs more than another micro-batch (never more
+    rows than the largest of `micro_rows`), and each is trimmed to its own width in
+    grpo_backward. bnpo (normalised per micro-batch) and a KL term keep `micro_rows` as they are;
+    with several ranks each keeps its count of micro-batches (DDP and FSDP run theirs in step),
+    at least one row in each."""
+    every = [torch.arange(r.start or 0, min(r.stop, len(ro.advantages_N))) for r in micro_rows]
+    if cfg.loss == "bnpo" or (cfg.beta > 0 and ro.ref_logp_NC is not None):
+        return every
+    lengths = ro.completion_mask_NC.sum(1)
+    live = (ro.advantages_N != 0) & (ro.loss_mask_NC.sum(1) > 0)
+    if ranks > 1:
+        return [rows[live[rows]] if live[rows].any() else rows[:1] for rows in every]
+    order = torch.nonzero(live).flatten()
+    if len(order) == 0:  # nothing to learn: one row keeps the step's backward (and its zero gradients)
+        return [every[0][:1]]
+    order = order[torch.argsort(lengths[order], stable=True)].tolist()
+    width = (lengths[order] + ro.attention_NT[order, : ro.prompt_len].sum(1)).tolist()  # a row's own tokens, rising with its completion
+    cap = max(len(r) for r in every)
+    n = len(order)
+    best, cut = [0.0] + [float("inf")] * n, [0] * (n + 1)  # best[j]: cheapest plan of the j shortest rows; cut[j]: where its last micro-batch starts
+    for j in range(1, n + 1):
+        for i in range(max(0, j - cap), j):
+            cost = best[i] + MICRO_BATCH_COST + (j - i) * max(width[i:j])
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    plan, j = [], n
+    while j:
+        plan.append(torch.tensor(order[cut[j] : j]))
+        j = cut[j]
+    return plan[::-1]
+
+
+def trimmed(ro: Rollout, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(ids, attention, prompt width, completion width) of `rows`, without the columns that are
+    padding in every one of them (positions come from the attention mask, so nothing moves)."""
+    attention = ro.attention_NT[rows]
+    lead = int(attention[:, : ro.prompt_len].sum(1).max())  # the longest prompt among them
+    c = max(1, int(ro.completion_mask_NC[rows].sum(1).max()))
+    cols = slice(ro.prompt_len - lead, ro.prompt_len + c)
+    return ro.ids_NT[rows, cols], attention[:, cols], lead, c
+
+
 def grpo_backward(model: torch.nn.Module, acc: Any, ro: Rollout, cfg: TrainConfig, micro_rows: list[slice]) -> dict[str, float]:
-    """Loss and gradients of one rollout, micro-batch by micro-batch (sums to the step's loss)."""
+    """Loss and gradients of one rollout, micro-batch by micro-batch (sums to the step's loss);
+    the micro-batches as plan_micro_batches cuts them from `micro_rows`. Entropy and the masked
+    share are of the tokens computed (rows with signal)."""
     n = len(ro.advantages_N)
     tokens = int(ro.loss_mask_NC.sum())
     norm_tokens = tokens
     if acc.num_processes > 1:  # TRL: the step's tokens over every rank / ranks, so DDP's mean of gradients sums to the global normalisation
         norm_tokens = float(acc.reduce(torch.tensor([tokens], device=acc.device), reduction="sum").item()) / acc.num_processes
     eps_high = cfg.epsilon_high or cfg.epsilon
-    total, low, high, kl_sum, ent_sum, masked = 0.0, 0, 0, 0.0, 0.0, 0
-    for i, rows in enumerate(micro_rows):
-        mask = ro.loss_mask_NC[rows].float()
-        logp, ent = completion_logprobs(model, ro.ids_NT[rows], ro.attention_NT[rows], ro.prompt_len, cfg.temperature, entropy=True)
-        old = logp.detach() if ro.old_logp_NC is None else ro.old_logp_NC[rows]
+    plan = plan_micro_batches(ro, cfg, micro_rows, acc.num_processes)
+    total, low, high, kl_sum, ent_sum, masked, computed = 0.0, 0, 0, 0.0, 0.0, 0, 0
+    for i, rows in enumerate(plan):
+        rows = rows.to(ro.ids_NT.device)
+        ids, attention, p, c = trimmed(ro, rows)
+        mask = ro.loss_mask_NC[rows, :c].float()
+        computed += int(mask.sum())
+        logp, ent = completion_logprobs(model, ids, attention, p, cfg.temperature, entropy=True)
+        old = logp.detach() if ro.old_logp_NC is None else ro.old_logp_NC[rows, :c]
         if ro.behaviour_logp_NC is not None:  # sampled elsewhere, maybe k versions ago: the ratio is against the sampler's log-probs
-            behaviour = ro.behaviour_logp_NC[rows]
+            behaviour = ro.behaviour_logp_NC[rows, :c]
             behaviour = torch.where(behaviour.isnan(), logp.detach(), behaviour)  # NaN: the current policy sampled the row
             keep = mismatch_keep(logp.detach(), behaviour, cfg)
             masked += int(((1 - keep) * mask).sum())
@@ -300,16 +356,16 @@ def grpo_backward(model: torch.nn.Module, acc: Any, ro: Rollout, cfg: TrainConfi
         adv = ro.advantages_N[rows]
         per_token, _ = clipped_surrogate(logp, old, adv, cfg.epsilon, eps_high)
         if ro.ref_logp_NC is not None and cfg.beta > 0:
-            kl = kl_k3(logp, ro.ref_logp_NC[rows])
+            kl = kl_k3(logp, ro.ref_logp_NC[rows, :c])
             per_token = per_token + cfg.beta * kl
             kl_sum += float((kl.detach() * mask).sum())
-        loss = reduce_loss(per_token, mask, cfg.loss, n, norm_tokens, cfg.max_new_tokens, len(micro_rows))
-        with acc.no_sync(model) if i < len(micro_rows) - 1 else contextlib.nullcontext():  # DDP syncs gradients once, after the last micro-batch
+        loss = reduce_loss(per_token, mask, cfg.loss, n, norm_tokens, cfg.max_new_tokens, len(plan))
+        with acc.no_sync(model) if i < len(plan) - 1 else contextlib.nullcontext():  # DDP syncs gradients once, after the last micro-batch
             acc.backward(loss)
         total += float(loss.detach())
         with torch.no_grad():
             rho, a = torch.exp(logp.detach() - old), adv.unsqueeze(1)
-            low += int((((rho < 1 - cfg.epsilon) & (a < 0)).float() * mask).sum())  # TRL's clip_ratio/low
+            low += int((((rho < 1 - cfg.epsilon) & (a < 0)).float() * mask).sum())  # TRL's clip_ratio/low (rows left out have A = 0: never clipped)
             high += int((((rho > 1 + eps_high) & (a > 0)).float() * mask).sum())
             ent_sum += float((ent * mask).sum())
     groups = ro.rewards_N.view(-1, cfg.group_size)
@@ -318,9 +374,10 @@ def grpo_backward(model: torch.nn.Module, acc: Any, ro: Rollout, cfg: TrainConfi
         "loss": total, "tokens": int(ro.completion_mask_NC.sum()), "reward_mean": float(ro.rewards_N.mean()), "reward_std": float(ro.rewards_N.std()) if n > 1 else 0.0,
         "zero_variance_groups": float((groups.std(1) == 0).float().mean()), "completion_length": float(lengths.mean()),
         "completion_length_min": float(lengths.min()), "completion_length_max": float(lengths.max()), "truncated": float(ro.truncated_N.float().mean()),
-        "entropy": ent_sum / max(1, tokens), "kl": kl_sum / max(1, tokens), "clip_fraction": (low + high) / max(1, tokens),
+        "entropy": ent_sum / max(1, computed), "kl": kl_sum / max(1, tokens), "clip_fraction": (low + high) / max(1, tokens),
         "clip_low": low / max(1, tokens), "clip_high": high / max(1, tokens), "completions_per_s": n / max(1e-9, ro.seconds),
-        **({"mismatch_masked": masked / max(1, tokens)} if ro.behaviour_logp_NC is not None else {}),
+        "micro_batches": float(len(plan)), "rows_computed": float(sum(len(r) for r in plan)) / n,
+        **({"mismatch_masked": masked / max(1, computed)} if ro.behaviour_logp_NC is not None else {}),
         **ro.stats, **{(k if k.startswith(("source/", "episode/")) else f"reward/{k}"): v for k, v in ro.reward_means.items()},
     }
 

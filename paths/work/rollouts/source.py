@@ -37,11 +37,12 @@ from paths.work.mixture import Mixture
 from paths.work.rollouts.batch import Batch, Rejected, batch_bytes_limit, decode, parse_key
 from paths.work.rollouts.keys import Allowlist, read_allowlist
 from paths.work.rollouts.policy import version_record
+from paths.work.rollouts.poll import Poll
 from paths.work.rollouts.seeds import run_id
 from paths.work.rollouts.verify import BatchVerifier, Verified
 from storage.layout import Run
 
-POLL = 0.2  # seconds between listings while waiting
+POLL = 0.2  # seconds between listings while waiting, at most
 RECENT = 64  # digests a chain remembers, to tell a copy of a batch from a second batch for one place
 log = logging.getLogger("paths.rollouts")
 
@@ -156,7 +157,7 @@ class StoreRollouts:
         stats = {"stale_batches": 0.0, "rejected_batches": 0.0, "verify_seconds": 0.0, "verified_rows": 0.0}
         budget = cfg.rollout_reads or (cfg.max_async + 1) * cfg.grad_accum + cfg.max_rejections
         reads: dict[str, int] = {}
-        deadline, starving = time.time() + wait, False
+        deadline, starving, poll = time.time() + wait, False, Poll(POLL)  # a worker's batch is usually a moment away
         self._refresh_allowlist()
         records: dict[int, dict[str, Any] | None] = {}
 
@@ -191,7 +192,7 @@ class StoreRollouts:
                 starving = True
                 if time.time() >= deadline:
                     break
-                time.sleep(POLL)
+                poll.sleep()
         self._forget(step - cfg.max_async)
         return taken, stats
 

@@ -25,12 +25,13 @@ from paths.work.rewards import Reward
 from paths.work.rollouts.batch import DTYPES, Rejected, batch_key, decode, digest_of, encode, parse_key, prompt_sha
 from paths.work.rollouts.keys import public_hex, read_allowlist
 from paths.work.rollouts.policy import PolicyReader, copy_as, latest
+from paths.work.rollouts.poll import Poll
 from paths.work.rollouts.seeds import batch_seed, pick_prompts, row_uniforms, run_id
 from paths.work.mixture import Mixture
 from paths.work.sampling import complete
 from storage.layout import Run
 
-POLL = 0.2  # seconds between reads of latest.json while waiting
+POLL = 0.2  # seconds between reads of latest.json while waiting, at most
 
 
 def identity(run: Run, key: Any, name: str | None) -> tuple[str, str]:
@@ -147,6 +148,7 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
         index = next_index(run, path, name)
         written, dropped, reloads, tokens, seconds = 0, 0, 0, 0, 0.0
         seen, since = None, 0  # batches written since the trainer last said how many wait
+        seen_at, period = 0.0, None  # when latest.json last changed (this machine's clock), and the trainer's pace between changes
         threads = Threads()  # torch's threads kept to the cores other processes leave free
         deadline = time.time() + wait
         while written < batches:
@@ -171,11 +173,14 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
                     mixture = Mixture(records, loaded["mixture"], f"dataset {dataset!r} for path {path}") if loaded.get("mixture") else None
             said = (head["version"], head.get("at"))
             if said != seen:
-                seen, since = said, 0
+                now_t = time.time()
+                if seen is not None:
+                    period = now_t - seen_at if period is None else 0.7 * period + 0.3 * (now_t - seen_at)
+                seen, since, seen_at = said, 0, now_t
             if int(head.get("pending", 0)) + since >= max(1, int(head.get("max_async", cfg.max_async))) * int(head.get("needs", 1)):  # each waits a step: max_async steps of them
-                waited = time.time()
+                waited, poll = time.time(), Poll(POLL, due=None if period is None else seen_at + period)  # short looks from when the trainer's next step is due
                 while (lambda h: (h["version"], h.get("at")))(latest(run, path) or head) == said and time.time() - waited < wait and not finished(run, path):
-                    time.sleep(POLL)  # enough batches wait for the trainer: more would only go stale
+                    poll.sleep()  # enough batches wait for the trainer: more would only go stale
                 continue
             threads.check()
             t0 = time.perf_counter()

@@ -71,6 +71,80 @@ def test_a_zero_variance_group_has_zero_advantage(scale):
         assert torch.allclose(adv[4:], torch.tensor([-0.5, 0.5, -0.5, 0.5]))
 
 
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_equal_rewards_get_exactly_zero_advantage_even_when_their_mean_rounds(scale):
+    rewards = torch.tensor([1.2] * 8 + [0.2] * 4 + [1.2] * 4)  # float32's mean of eight 1.2 is an ulp above 1.2
+    adv = group_advantages(rewards, 8, scale)
+    assert torch.equal(adv[:8], torch.zeros(8)) and adv[8:].abs().min() > 0
+
+
+def short_rows(ro, lengths: list[int]):
+    """The rollout with completion i cut to lengths[i] tokens (masks and attention), as if it had ended there."""
+    c = ro.completion_mask_NC.shape[1]
+    for i, n in enumerate(lengths):
+        ro.completion_mask_NC[i, n:] = 0
+        ro.loss_mask_NC[i, n:] = 0
+        ro.attention_NT[i, ro.prompt_len + n :] = 0
+    assert max(lengths) <= c
+    return ro
+
+
+def test_a_micro_batch_plan_covers_each_row_with_signal_once():
+    from paths.work.grpo import Rollout, plan_micro_batches
+
+    n, g = 32, 4
+    adv = torch.arange(n, dtype=torch.float32) - 3
+    adv[8:12] = 0  # one group without signal
+    loss_mask = torch.ones(n, 10)
+    loss_mask[5] = 0  # a row whose tokens are all out of the loss (cut at max_new_tokens under overlong=mask)
+    lengths = torch.tensor([(7 * i) % 10 + 1 for i in range(n)])
+    cmask = (torch.arange(10)[None] < lengths[:, None]).long()
+    ro = Rollout(torch.zeros(n, 14, dtype=torch.long), torch.cat([torch.ones(n, 4, dtype=torch.long), cmask], 1), 4, cmask, loss_mask * cmask, adv, adv, None, None, {}, [], torch.zeros(n, dtype=torch.bool), 1.0, {})
+    cfg = load_config(sets=[f"group_size={g}"], mode="grpo")
+    halves = [slice(0, 16), slice(16, 32)]
+    live = sorted(set(range(n)) - {5, 8, 9, 10, 11, 3})  # row 3's advantage is 0 too
+    plan = plan_micro_batches(ro, cfg, halves)
+    assert sorted(torch.cat(plan).tolist()) == live and max(len(p) for p in plan) <= 16
+    widths = [[int(lengths[i]) for i in p] for p in plan]
+    assert all(max(a) <= min(b) for a, b in zip(widths, widths[1:]))  # sorted: short rows share a micro-batch
+    ranked = plan_micro_batches(ro, cfg, halves, ranks=2)  # DDP / FSDP: the same count of micro-batches on every rank
+    assert len(ranked) == 2 and sorted(torch.cat(ranked).tolist()) == live
+    silent = Rollout(ro.ids_NT, ro.attention_NT, 4, cmask, ro.loss_mask_NC, torch.zeros(n), adv, None, None, {}, [], ro.truncated_N, 1.0, {})
+    assert [len(p) for p in plan_micro_batches(silent, cfg, halves)] == [1]  # nothing to learn: one row keeps the backward
+    assert [len(p) for p in plan_micro_batches(silent, cfg, halves, ranks=2)] == [1, 1]
+    for sets in (["loss=bnpo"],):  # normalised per micro-batch: the micro-batches as given
+        assert [p.tolist() for p in plan_micro_batches(ro, load_config(sets=[f"group_size={g}", *sets], mode="grpo"), halves)] == [list(range(16)), list(range(16, 32))]
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("cost", [256, 0])  # 0: a micro-batch per length
+def test_leaving_rows_without_signal_out_changes_no_gradient(rl_run, tmp_path, monkeypatch, loss, cost):
+    from accelerate import Accelerator
+
+    import paths.work.grpo as grpo
+    from sharding.dataset import read_prompts
+
+    model, tok = loaded(rl_run, tmp_path)
+    cfg = load_config(sets=FAST + [f"loss={loss}", "group_size=4", "max_new_tokens=8", "mismatch=icepop"], steps=1)
+    ro = rollout(model, None, read_prompts(rl_run, "rl", "p00")[:4], [load_reward(TOY)], cfg, tok)
+    ro = short_rows(ro, [(5 * i) % 8 + 1 for i in range(16)])
+    ro.advantages_N = torch.tensor([0.0] * 4 + [1.0, -1.0, 0.5, -0.5] + [0.0] * 4 + [2.0, -1.0, -0.5, -0.5])
+    with torch.no_grad():  # as a worker sampled them: a little off the trainer's, some beyond icepop's band
+        ro.behaviour_logp_NC = grpo.logprobs_in_chunks(model, ro.ids_NT, ro.attention_NT, ro.prompt_len, 1.0, 16) + torch.linspace(-0.3, 0.3, 16)[:, None]
+    acc = Accelerator(cpu=True)
+    monkeypatch.setattr(grpo, "MICRO_BATCH_COST", cost)
+    grads, stats = [], []
+    for plan in (grpo.plan_micro_batches, lambda ro, cfg, rows, ranks=1: [torch.arange(r.start, r.stop) for r in rows]):  # planned, then every row as given
+        monkeypatch.setattr(grpo, "plan_micro_batches", plan)
+        model.zero_grad()
+        stats.append(grpo_backward(model, acc, ro, cfg, [slice(0, 8), slice(8, 16)]))
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert stats[0]["rows_computed"] == 0.5 and stats[1]["rows_computed"] == 1.0
+    assert stats[0]["loss"] == pytest.approx(stats[1]["loss"], abs=1e-6) and stats[0]["clip_fraction"] == stats[1]["clip_fraction"]
+    assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(*grads))
+    assert any(float(a.abs().max()) > 1e-4 for a in grads[0])
+
+
 # -- training ---------------------------------------------------------------------------------------------
 def test_a_toy_reward_rises_within_30_cpu_steps(rl_run):
     cfg = load_config(sets=FAST + ["lr=1e-2"], steps=30)
