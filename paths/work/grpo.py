@@ -255,8 +255,10 @@ def logprobs_in_chunks(model: torch.nn.Module, ids: torch.Tensor, attention: tor
     return torch.cat([completion_logprobs(model, ids[i : i + rows], attention[i : i + rows], p, temperature) for i in range(0, len(ids), rows)])
 
 
-def to_rollout(samples: Samples, model: torch.nn.Module, ref_model: torch.nn.Module | None, cfg: TrainConfig, tokenizer: Any, seconds: float, stats: dict[str, float] | None = None) -> Rollout:
-    """Pack scored samples into tensors; advantages; old / reference log-probs when needed."""
+def to_rollout(samples: Samples, model: torch.nn.Module, ref_model: torch.nn.Module | None, cfg: TrainConfig, tokenizer: Any, seconds: float, stats: dict[str, float] | None = None,
+               ranks: int = 1) -> Rollout:
+    """Pack scored samples into tensors; advantages; old / reference log-probs when needed (the old
+    ones as the steps of `ranks` processes plan their micro-batches)."""
     device = device_of(model)
     ids, attention, p, cmask = pack(samples.records, samples.completion_ids, cfg.group_size, tokenizer.pad_token_id, device)
     rewards = torch.tensor(samples.rewards, dtype=torch.float32, device=device)
@@ -264,11 +266,26 @@ def to_rollout(samples: Samples, model: torch.nn.Module, ref_model: torch.nn.Mod
     loss_mask = cmask * (~truncated).long().unsqueeze(1) if cfg.overlong == "mask" else cmask
     if samples.model_masks is not None:  # an episode's environment tokens are context: out of the loss
         loss_mask = loss_mask * pad_rows(samples.model_masks, cmask.shape[1], device)
+    ref = logprobs_in_chunks(ref_model, ids, attention, p, cfg.temperature, cfg.batch_size * cfg.group_size) if ref_model is not None else None
+    ro = Rollout(ids, attention, p, cmask, loss_mask, group_advantages(rewards, cfg.group_size, cfg.scale_rewards), rewards, None, ref,
+                 samples.reward_means, samples.texts, truncated, seconds, stats or {})
+    if cfg.iterations > 1:  # the ratio's denominator for the iterations to come: only the rows their steps compute
+        ro.old_logp_NC = planned_logprobs(model, ro, cfg, ranks)
+    return ro
+
+
+@torch.no_grad()
+def planned_logprobs(model: torch.nn.Module, ro: Rollout, cfg: TrainConfig, ranks: int = 1) -> torch.Tensor:
+    """(N, C) log-probs of the rows a step computes, in its micro-batches (plan_micro_batches, each
+    trimmed to its width: the first iteration's ratio is exactly 1); 0 in the others, whose zero
+    advantage keeps them out of the loss."""
     rows = cfg.batch_size * cfg.group_size
-    old = logprobs_in_chunks(model, ids, attention, p, cfg.temperature, rows) if cfg.iterations > 1 else None
-    ref = logprobs_in_chunks(ref_model, ids, attention, p, cfg.temperature, rows) if ref_model is not None else None
-    return Rollout(ids, attention, p, cmask, loss_mask, group_advantages(rewards, cfg.group_size, cfg.scale_rewards), rewards, old, ref,
-                   samples.reward_means, samples.texts, truncated, seconds, stats or {})
+    out = torch.zeros(ro.completion_mask_NC.shape, dtype=torch.float32, device=ro.ids_NT.device)
+    for picked in plan_micro_batches(ro, cfg, [slice(i, i + rows) for i in range(0, len(ro.advantages_N), rows)], ranks):
+        picked = picked.to(ro.ids_NT.device)
+        ids, attention, p, c = trimmed(ro, picked)
+        out[picked, :c] = completion_logprobs(model, ids, attention, p, cfg.temperature)
+    return out
 
 
 def rollout(model: torch.nn.Module, ref_model: torch.nn.Module | None, records: list[dict[str, Any]], rewards: list[Reward], cfg: TrainConfig, tokenizer: Any) -> Rollout:
@@ -291,24 +308,27 @@ def plan_micro_batches(ro: Rollout, cfg: TrainConfig, micro_rows: list[slice], r
     grpo_backward. bnpo (normalised per micro-batch) and a KL term keep `micro_rows` as they are;
     with several ranks each keeps its count of micro-batches (DDP and FSDP run theirs in step),
     at least one row in each."""
-    every = [torch.arange(r.start or 0, min(r.stop, len(ro.advantages_N))) for r in micro_rows]
+    every = [torch.arange(r.start or 0, min(r.stop, len(ro.advantages_N))) for r in micro_rows]  # on the CPU, as is all the planning
     if cfg.loss == "bnpo" or (cfg.beta > 0 and ro.ref_logp_NC is not None):
         return every
-    lengths = ro.completion_mask_NC.sum(1)
-    live = (ro.advantages_N != 0) & (ro.loss_mask_NC.sum(1) > 0)
+    completion = ro.completion_mask_NC.sum(1).cpu()
+    prompt = ro.attention_NT[:, : ro.prompt_len].sum(1).cpu()
+    live = ((ro.advantages_N != 0) & (ro.loss_mask_NC.sum(1) > 0)).cpu()
     if ranks > 1:
         return [rows[live[rows]] if live[rows].any() else rows[:1] for rows in every]
     order = torch.nonzero(live).flatten()
     if len(order) == 0:  # nothing to learn: one row keeps the step's backward (and its zero gradients)
         return [every[0][:1]]
-    order = order[torch.argsort(lengths[order], stable=True)].tolist()
-    width = (lengths[order] + ro.attention_NT[order, : ro.prompt_len].sum(1)).tolist()  # a row's own tokens, rising with its completion
+    order = order[torch.argsort(completion[order], stable=True)].tolist()
+    c_len, p_len = completion[order].tolist(), prompt[order].tolist()
     cap = max(len(r) for r in every)
     n = len(order)
     best, cut = [0.0] + [float("inf")] * n, [0] * (n + 1)  # best[j]: cheapest plan of the j shortest rows; cut[j]: where its last micro-batch starts
     for j in range(1, n + 1):
-        for i in range(max(0, j - cap), j):
-            cost = best[i] + MICRO_BATCH_COST + (j - i) * max(width[i:j])
+        widest_c = widest_p = 0
+        for i in range(j - 1, max(0, j - cap) - 1, -1):  # the last micro-batch is rows i..j-1, as trimmed() pads them
+            widest_c, widest_p = max(widest_c, c_len[i]), max(widest_p, p_len[i])
+            cost = best[i] + MICRO_BATCH_COST + (j - i) * (widest_c + widest_p)
             if cost < best[j]:
                 best[j], cut[j] = cost, i
     plan, j = [], n
@@ -322,7 +342,7 @@ def trimmed(ro: Rollout, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """(ids, attention, prompt width, completion width) of `rows`, without the columns that are
     padding in every one of them (positions come from the attention mask, so nothing moves)."""
     attention = ro.attention_NT[rows]
-    lead = int(attention[:, : ro.prompt_len].sum(1).max())  # the longest prompt among them
+    lead = min(ro.prompt_len, max(1, int(attention[:, : ro.prompt_len].sum(1).max())))  # the longest prompt among them (a column at least: the first logit kept)
     c = max(1, int(ro.completion_mask_NC[rows].sum(1).max()))
     cols = slice(ro.prompt_len - lead, ro.prompt_len + c)
     return ro.ids_NT[rows, cols], attention[:, cols], lead, c
@@ -437,7 +457,7 @@ class GRPOStep:
             if self.silent in (1, 10) or self.silent % 100 == 0:  # the first time, then now and then
                 log.warning("grpo: no group of rollout %d had reward variance (%d prompts x %d; %d such rollouts so far): those steps learn nothing; "
                             "turn on dynamic_sampling, or use prompts the model sometimes solves", self.rollouts, len(samples.records), cfg.group_size, self.silent)
-        return to_rollout(samples, model, self.ref_model, cfg, self.tokenizer, time.perf_counter() - t0, stats)
+        return to_rollout(samples, model, self.ref_model, cfg, self.tokenizer, time.perf_counter() - t0, stats, ranks=acc.num_processes)
 
 
 class HeldoutReward(Callback):

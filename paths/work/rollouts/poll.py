@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 FIRST = 0.01  # seconds: the first pause, when what we wait for is likely near
 
@@ -13,13 +14,18 @@ class Poll:
     version one step period after its last), looks before it stay `most` apart and the short ones
     start there, so a wait costs little latency and few requests either way."""
 
-    def __init__(self, most: float, due: float | None = None):
+    def __init__(self, most: float, due: float | None = None, clock: Callable[[], float] | None = None, sleep: Callable[[float], None] | None = None):
         self.most, self.due, self.pause = most, due, FIRST
+        self.clock, self._sleep = clock or time.time, sleep or time.sleep  # a test's fake clock, else the real one
+
+    def reset(self) -> None:
+        """Something moved: the next pause is short again."""
+        self.pause = FIRST
 
     def sleep(self) -> None:
-        ahead = 0.0 if self.due is None else self.due - time.time()
+        ahead = 0.0 if self.due is None else self.due - self.clock()
         if ahead > FIRST:  # not yet due: a look now and then, until it is
-            time.sleep(min(self.most, ahead))
+            self._sleep(min(self.most, ahead))
             return
-        time.sleep(self.pause)
+        self._sleep(self.pause)
         self.pause = min(self.most, self.pause * 2)

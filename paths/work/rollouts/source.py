@@ -186,6 +186,8 @@ class StoreRollouts:
                 verified = self._verify(batch, record_of(batch.version), stats)
                 taken += [verified] if verified is not None else []
                 progressed = True
+            if progressed:
+                poll.reset()
             if len(taken) < count and not progressed:
                 if not starving and self.on_starving is not None:
                     self.on_starving()  # tell the workers nothing usable waits, or they hold back

@@ -128,14 +128,17 @@ def test_leaving_rows_without_signal_out_changes_no_gradient(rl_run, tmp_path, m
     cfg = load_config(sets=FAST + [f"loss={loss}", "group_size=4", "max_new_tokens=8", "mismatch=icepop"], steps=1)
     ro = rollout(model, None, read_prompts(rl_run, "rl", "p00")[:4], [load_reward(TOY)], cfg, tok)
     ro = short_rows(ro, [(5 * i) % 8 + 1 for i in range(16)])
+    assert len(set(ro.attention_NT[:, : ro.prompt_len].sum(1).tolist())) > 1  # prompts of several lengths: the left trim is exercised too
     ro.advantages_N = torch.tensor([0.0] * 4 + [1.0, -1.0, 0.5, -0.5] + [0.0] * 4 + [2.0, -1.0, -0.5, -0.5])
     with torch.no_grad():  # as a worker sampled them: a little off the trainer's, some beyond icepop's band
         ro.behaviour_logp_NC = grpo.logprobs_in_chunks(model, ro.ids_NT, ro.attention_NT, ro.prompt_len, 1.0, 16) + torch.linspace(-0.3, 0.3, 16)[:, None]
     acc = Accelerator(cpu=True)
     monkeypatch.setattr(grpo, "MICRO_BATCH_COST", cost)
     grads, stats = [], []
-    for plan in (grpo.plan_micro_batches, lambda ro, cfg, rows, ranks=1: [torch.arange(r.start, r.stop) for r in rows]):  # planned, then every row as given
+    whole = lambda ro, rows: (ro.ids_NT[rows], ro.attention_NT[rows], ro.prompt_len, ro.completion_mask_NC.shape[1])  # noqa: E731  every column
+    for plan, trim in ((grpo.plan_micro_batches, grpo.trimmed), (lambda ro, cfg, rows, ranks=1: [torch.arange(r.start, r.stop) for r in rows], whole)):  # planned, then every row as given
         monkeypatch.setattr(grpo, "plan_micro_batches", plan)
+        monkeypatch.setattr(grpo, "trimmed", trim)
         model.zero_grad()
         stats.append(grpo_backward(model, acc, ro, cfg, [slice(0, 8), slice(8, 16)]))
         grads.append([p.grad.clone() for p in model.parameters()])
@@ -143,6 +146,25 @@ def test_leaving_rows_without_signal_out_changes_no_gradient(rl_run, tmp_path, m
     assert stats[0]["loss"] == pytest.approx(stats[1]["loss"], abs=1e-6) and stats[0]["clip_fraction"] == stats[1]["clip_fraction"]
     assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(*grads))
     assert any(float(a.abs().max()) > 1e-4 for a in grads[0])
+
+
+def test_old_logprobs_of_a_reused_rollout_are_those_of_the_rows_it_trains(rl_run, tmp_path):
+    from paths.work.grpo import logprobs_in_chunks, plan_micro_batches, planned_logprobs
+    from sharding.dataset import read_prompts
+
+    model, tok = loaded(rl_run, tmp_path)
+    cfg = load_config(sets=FAST + ["group_size=4", "max_new_tokens=8", "iterations=2"], steps=1)
+    ro = rollout(model, None, read_prompts(rl_run, "rl", "p00")[:4], [load_reward(TOY)], cfg, tok)
+    whole = logprobs_in_chunks(model, ro.ids_NT, ro.attention_NT, ro.prompt_len, 1.0, 16) * ro.completion_mask_NC
+    every = torch.cat(plan_micro_batches(ro, cfg, [slice(0, 16)]))
+    assert torch.allclose(ro.old_logp_NC[every] * ro.completion_mask_NC[every], whole[every], atol=1e-5)  # as sampled: what to_rollout kept
+    ro.advantages_N[4:8] = 0.0  # a group without signal
+    ro.old_logp_NC = planned_logprobs(model, ro, cfg)
+    live = torch.cat(plan_micro_batches(ro, cfg, [slice(0, 16)]))
+    assert 0 < len(live) < 16
+    assert torch.allclose(ro.old_logp_NC[live] * ro.completion_mask_NC[live], whole[live], atol=1e-5)
+    dead = torch.tensor([i for i in range(16) if i not in live.tolist()])
+    assert torch.equal(ro.old_logp_NC[dead], torch.zeros_like(ro.old_logp_NC[dead]))
 
 
 # -- training ---------------------------------------------------------------------------------------------

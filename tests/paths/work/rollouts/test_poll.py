@@ -5,35 +5,34 @@ from __future__ import annotations
 
 import pytest
 
-from paths.work.rollouts import poll as poll_module
 from paths.work.rollouts.poll import FIRST, Poll
 
 
-@pytest.fixture
-def clock(monkeypatch):
-    """time.time and time.sleep of the poll module on a fake clock; the pauses slept, in order."""
-    now, slept = [1000.0], []
+class Clock:
+    """A fake clock: sleeping moves it; the pauses slept, in order."""
 
-    def sleep(s):
-        slept.append(s)
-        now[0] += s
+    def __init__(self):
+        self.now, self.slept = 1000.0, []
 
-    monkeypatch.setattr(poll_module.time, "time", lambda: now[0])
-    monkeypatch.setattr(poll_module.time, "sleep", sleep)
-    return now, slept
+    def sleep(self, s: float) -> None:
+        self.slept.append(s)
+        self.now += s
 
 
-def test_pauses_double_from_the_first_up_to_the_most(clock):
-    _, slept = clock
-    p = Poll(0.2)
+def test_pauses_double_from_the_first_up_to_the_most():
+    c = Clock()
+    p = Poll(0.2, clock=lambda: c.now, sleep=c.sleep)
     for _ in range(8):
         p.sleep()
-    assert slept[:5] == pytest.approx([FIRST, 2 * FIRST, 4 * FIRST, 8 * FIRST, 16 * FIRST]) and slept[5:] == [0.2] * 3
+    assert c.slept[:5] == pytest.approx([FIRST, 2 * FIRST, 4 * FIRST, 8 * FIRST, 16 * FIRST]) and c.slept[5:] == [0.2] * 3
+    p.reset()
+    p.sleep()
+    assert c.slept[-1] == FIRST  # something moved: short again
 
 
-def test_before_the_due_time_looks_stay_apart_then_start_short(clock):
-    now, slept = clock
-    p = Poll(0.2, due=now[0] + 0.5)
+def test_before_the_due_time_looks_stay_apart_then_start_short():
+    c = Clock()
+    p = Poll(0.2, due=c.now + 0.5, clock=lambda: c.now, sleep=c.sleep)
     for _ in range(6):
         p.sleep()
-    assert slept == pytest.approx([0.2, 0.2, 0.1, FIRST, 2 * FIRST, 4 * FIRST])  # apart until due, then short looks backing off
+    assert c.slept == pytest.approx([0.2, 0.2, 0.1, FIRST, 2 * FIRST, 4 * FIRST])  # apart until due, then short looks backing off
