@@ -276,12 +276,11 @@ def to_rollout(samples: Samples, model: torch.nn.Module, ref_model: torch.nn.Mod
 
 @torch.no_grad()
 def planned_logprobs(model: torch.nn.Module, ro: Rollout, cfg: TrainConfig, ranks: int = 1) -> torch.Tensor:
-    """(N, C) log-probs of the rows a step computes, in its micro-batches (plan_micro_batches, each
-    trimmed to its width: the first iteration's ratio is exactly 1); 0 in the others, whose zero
-    advantage keeps them out of the loss."""
-    rows = cfg.batch_size * cfg.group_size
+    """(N, C) log-probs of the rows a step computes, in the step's own micro-batches
+    (plan_micro_batches, each trimmed to its width); 0 in the others, whose zero advantage keeps
+    them out of the loss."""
     out = torch.zeros(ro.completion_mask_NC.shape, dtype=torch.float32, device=ro.ids_NT.device)
-    for picked in plan_micro_batches(ro, cfg, [slice(i, i + rows) for i in range(0, len(ro.advantages_N), rows)], ranks):
+    for picked in plan_micro_batches(ro, cfg, micro_slices(ro, cfg), ranks):
         picked = picked.to(ro.ids_NT.device)
         ids, attention, p, c = trimmed(ro, picked)
         out[picked, :c] = completion_logprobs(model, ids, attention, p, cfg.temperature)
@@ -296,6 +295,13 @@ def rollout(model: torch.nn.Module, ref_model: torch.nn.Module | None, records: 
 
 
 # -- one optimizer step -----------------------------------------------------------------------------
+def micro_slices(ro: Rollout, cfg: TrainConfig) -> list[slice]:
+    """A step's micro-batches as sampled: `batch_size x group_size` rows each (plan_micro_batches'
+    row cap, and what bnpo normalises by)."""
+    rows = cfg.batch_size * cfg.group_size
+    return [slice(i, i + rows) for i in range(0, len(ro.advantages_N), rows)]
+
+
 MICRO_BATCH_COST = 256  # a micro-batch's fixed cost (launches, per-op overhead) in padded tokens, for plan_micro_batches
 
 
@@ -422,9 +428,7 @@ class GRPOStep:
         if self.current is None or self.used == self.cfg.iterations:
             self.current, self.used = self.next_rollout(model, acc, it), 0
         self.used += 1
-        rows = self.cfg.batch_size * self.cfg.group_size
-        n = len(self.current.advantages_N)
-        return grpo_backward(model, acc, self.current, self.cfg, [slice(i, i + rows) for i in range(0, n, rows)])
+        return grpo_backward(model, acc, self.current, self.cfg, micro_slices(self.current, self.cfg))
 
     def next_rollout(self, model: torch.nn.Module, acc: Any, it: Any) -> Rollout:
         cfg, t0 = self.cfg, time.perf_counter()

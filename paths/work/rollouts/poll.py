@@ -1,4 +1,5 @@
-"""Waiting on another machine through the store: looks that start short and back off."""
+"""Waiting on another machine through the store: looks that start short and back off, and when
+the awaited write is due."""
 
 from __future__ import annotations
 
@@ -29,3 +30,26 @@ class Poll:
             return
         self._sleep(self.pause)
         self.pause = min(self.most, self.pause * 2)
+
+
+class Pace:
+    """When a trainer's next policy version is due, as a worker sees it: the mean (exponentially
+    weighted) of the trainer's own seconds per version, from the `at` stamps it publishes (their
+    differences: no clock skew), after the local time the newest version was first seen."""
+
+    def __init__(self, clock: Callable[[], float] | None = None):
+        self.clock = clock or time.time
+        self.version, self.at, self.seen_at, self.period = -1, 0.0, 0.0, None
+
+    def saw(self, version: int, at: float) -> None:
+        """latest.json says `version`, published at `at` (the trainer's clock; 0 if unknown)."""
+        if version == self.version:
+            return
+        if version > self.version >= 0 and at and self.at:
+            step = (at - self.at) / (version - self.version)
+            self.period = step if self.period is None else 0.7 * self.period + 0.3 * step
+        self.version, self.at, self.seen_at = version, at, self.clock()
+
+    def due(self) -> float | None:
+        """Local time the next version is expected (None before the pace is known)."""
+        return None if self.period is None else self.seen_at + self.period

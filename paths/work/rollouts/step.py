@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from paths.work.grpo import GRPOStep, Samples, grpo_backward, to_rollout
+from paths.work.grpo import GRPOStep, Samples, grpo_backward, micro_slices, to_rollout
 from paths.work.rollouts.sapo import take_external
 from paths.work.rollouts.seeds import pick_prompts
 from paths.work.rollouts.source import StoreRollouts
@@ -54,8 +54,7 @@ class AsyncGRPOStep(GRPOStep):
             **stats, "store_batches": float(len(got)), "own_batches": float(own), "policy_lag": float(sum(src.steps - v for v in versions) / len(versions))})
         ro.behaviour_logp_NC = self._behaviour(ro, behaviour)
         src.steps += 1
-        rows = cfg.batch_size * cfg.group_size
-        return grpo_backward(model, acc, ro, cfg, [slice(i, i + rows) for i in range(0, len(ro.advantages_N), rows)])
+        return grpo_backward(model, acc, ro, cfg, micro_slices(ro, cfg))
 
     def _behaviour(self, ro: Any, rows: list[list[float] | None]) -> torch.Tensor:
         """(N, C) behaviour log-probs: the workers' where they sampled; NaN where the current policy

@@ -25,7 +25,7 @@ from paths.work.rewards import Reward
 from paths.work.rollouts.batch import DTYPES, Rejected, batch_key, decode, digest_of, encode, parse_key, prompt_sha
 from paths.work.rollouts.keys import public_hex, read_allowlist
 from paths.work.rollouts.policy import PolicyReader, copy_as, latest
-from paths.work.rollouts.poll import Poll
+from paths.work.rollouts.poll import Pace, Poll
 from paths.work.rollouts.seeds import batch_seed, pick_prompts, row_uniforms, run_id
 from paths.work.mixture import Mixture
 from paths.work.sampling import complete
@@ -148,7 +148,7 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
         index = next_index(run, path, name)
         written, dropped, reloads, tokens, seconds = 0, 0, 0, 0, 0.0
         seen, since = None, 0  # batches written since the trainer last said how many wait
-        seen_at, period, last = 0.0, None, None  # when a new version was seen (this machine's clock); the trainer's seconds a version (its clock); (version, at) of the last
+        pace = Pace()  # when the trainer's next version is due
         threads = Threads()  # torch's threads kept to the cores other processes leave free
         deadline = time.time() + wait
         while written < batches:
@@ -174,13 +174,9 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
             said = (head["version"], head.get("at"))
             if said != seen:
                 seen, since = said, 0
-            if last is None or int(head["version"]) != last[0]:  # the trainer's pace from its own stamps (differences: no clock skew)
-                if last is not None and int(head["version"]) > last[0] and head.get("at") and last[1]:
-                    pace = (float(head["at"]) - last[1]) / (int(head["version"]) - last[0])
-                    period = pace if period is None else 0.7 * period + 0.3 * pace
-                last, seen_at = (int(head["version"]), float(head.get("at") or 0.0)), time.time()
+            pace.saw(int(head["version"]), float(head.get("at") or 0.0))
             if int(head.get("pending", 0)) + since >= max(1, int(head.get("max_async", cfg.max_async))) * int(head.get("needs", 1)):  # each waits a step: max_async steps of them
-                waited, poll = time.time(), Poll(POLL, due=None if period is None else seen_at + period)  # short looks from when the trainer's next step is due
+                waited, poll = time.time(), Poll(POLL, due=pace.due())  # short looks from when the trainer's next version is due
                 while (lambda h: (h["version"], h.get("at")))(latest(run, path) or head) == said and time.time() - waited < wait and not finished(run, path):
                     poll.sleep()  # enough batches wait for the trainer: more would only go stale
                 continue

@@ -36,3 +36,19 @@ def test_before_the_due_time_looks_stay_apart_then_start_short():
     for _ in range(6):
         p.sleep()
     assert c.slept == pytest.approx([0.2, 0.2, 0.1, FIRST, 2 * FIRST, 4 * FIRST])  # apart until due, then short looks backing off
+
+
+def test_the_pace_is_the_trainers_seconds_a_version_from_its_own_stamps():
+    from paths.work.rollouts.poll import Pace
+
+    c = Clock()
+    pace = Pace(clock=lambda: c.now)
+    pace.saw(0, 5000.0)  # the trainer's clock runs 4,000 s ahead of ours: only differences count
+    assert pace.due() is None
+    c.now += 0.9
+    pace.saw(1, 5001.0)
+    assert pace.due() == pytest.approx(c.now + 1.0)
+    pace.saw(1, 5001.3)  # the same version written again (pending changed): no new pace
+    c.now += 2.0
+    pace.saw(3, 5002.0)  # two versions in 1 s: 0.5 s each, weighted 0.3 into 1.0
+    assert pace.due() == pytest.approx(c.now + 0.85)
