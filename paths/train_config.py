@@ -63,6 +63,7 @@ class TrainConfig:
     scale_rewards: Literal["group", "batch", "none"] = "group"
     iterations: int = 1
     generation_batch_size: int = 0
+    share_prompts: bool = True
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 4
     overlong: Literal["none", "mask", "soft"] = "none"

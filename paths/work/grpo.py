@@ -226,10 +226,13 @@ def pad_rows(rows: list[list[Any]], width: int, device: torch.device | str, dtyp
     return out.to(device)
 
 
-def completion_logits(model: torch.nn.Module, ids_NT: torch.Tensor, attention_NT: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    """(N, C, V) float logits predicting each completion token, teacher-forced in one pass; only
-    the completion's logits are materialised."""
+def completion_logits(model: torch.nn.Module, ids_NT: torch.Tensor, attention_NT: torch.Tensor, prompt_len: int, share_prompts: bool = False) -> torch.Tensor:
+    """(N, C, V) float logits predicting each completion token, teacher-forced; only the
+    completion's logits are materialised. With `share_prompts`, rows with the same prompt (a GRPO
+    group) run it once (shared_prompt_logits) where the model allows it."""
     c = ids_NT.shape[1] - prompt_len
+    if share_prompts and (shared := shared_prompt_logits(model, ids_NT, attention_NT, prompt_len)) is not None:
+        return shared
     positions = (attention_NT.cumsum(1) - 1).clamp(min=0)
     core = getattr(model, "module", model)  # DDP keeps the model in .module
     keep = {"logits_to_keep": c + 1} if "logits_to_keep" in forward_arguments(type(core)) else {}
@@ -237,10 +240,58 @@ def completion_logits(model: torch.nn.Module, ids_NT: torch.Tensor, attention_NT
     return logits[:, -(c + 1) : -1].float()
 
 
-def completion_logprobs(model: torch.nn.Module, ids_NT: torch.Tensor, attention_NT: torch.Tensor, prompt_len: int, temperature: float, entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def shared_prompt_logits(model: torch.nn.Module, ids_NT: torch.Tensor, attention_NT: torch.Tensor, prompt_len: int) -> torch.Tensor | None:
+    """completion_logits with each distinct prompt computed once (the prefix sharing of Prefix
+    Grouper): a pass over the distinct prompts fills a KV cache and gives the logits of each
+    completion's first token; the cache is gathered to the rows (index_select: the gradients of
+    every row that reads a prompt flow back into its one pass) and a second pass runs the
+    completions on it. The same function as one pass over every row (a test holds logits and
+    gradients equal), for prompt x (group - 1) fewer positions through every layer. None where it
+    cannot hold: the rows' prompts are all different, the model takes no KV cache or
+    `logits_to_keep` (it is wrapped by DDP or FSDP, or decodes on its own), its rotary scaling
+    depends on the longest position a pass sees (dynamic, longrope), or a layer's cache did not
+    fill (gradient checkpointing turns the cache off)."""
+    from transformers import DynamicCache
+
+    from paths.work.sampling import cache_argument
+
+    from paths.head_loss import _sharded
+
+    inner = model.get_base_model() if hasattr(model, "peft_config") else model  # peft passes the model's arguments through to it
+    takes = forward_arguments(type(inner))
+    if hasattr(model, "module") or _sharded(model) or "logits_to_keep" not in takes or not takes & {"cache", "past_key_values"}:
+        return None
+    rope = getattr(inner.config, "rope_parameters", None) or getattr(inner.config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):  # their frequencies follow the longest position a forward sees
+        return None
+    prompts, row_prompt = torch.unique(torch.where(attention_NT[:, :prompt_len].bool(), ids_NT[:, :prompt_len], -1), dim=0, return_inverse=True)
+    if len(prompts) == len(ids_NT):
+        return None
+    first = torch.zeros(len(prompts), dtype=torch.long, device=ids_NT.device).scatter_(0, row_prompt, torch.arange(len(ids_NT), device=ids_NT.device))  # a row of each prompt
+    p_ids, p_att = ids_NT[first, :prompt_len], attention_NT[first, :prompt_len]
+    p_pos = (p_att.cumsum(1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    kv = {cache_argument(inner): cache}
+    head = model(input_ids=p_ids, attention_mask=p_att, position_ids=p_pos, use_cache=True, logits_to_keep=1, **kv).logits
+    layers = getattr(cache, "layers", None)
+    if cache.get_seq_length() != prompt_len or (layers is not None and (len(layers) != getattr(inner.config, "num_hidden_layers", len(layers))
+                                                                        or any(layer.get_seq_length() != prompt_len for layer in layers))):
+        return None
+    c = ids_NT.shape[1] - prompt_len
+    if c == 1:
+        return head[row_prompt].float()
+    cache.reorder_cache(row_prompt)
+    positions = p_att.sum(1, keepdim=True)[row_prompt] + torch.arange(c - 1, device=ids_NT.device)  # right padding's positions are never read
+    rest = model(input_ids=ids_NT[:, prompt_len:-1], attention_mask=attention_NT[:, :-1], position_ids=positions, use_cache=True, logits_to_keep=c - 1, **kv).logits
+    return torch.cat([head[row_prompt], rest], 1).float()
+
+
+def completion_logprobs(model: torch.nn.Module, ids_NT: torch.Tensor, attention_NT: torch.Tensor, prompt_len: int, temperature: float, entropy: bool = False,
+                        share_prompts: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log pi(token) of each completion token, (N, C), at the sampling temperature (and, with
-    `entropy`, each position's entropy). Only the completion's logits are materialised."""
-    logits = completion_logits(model, ids_NT, attention_NT, prompt_len) / temperature
+    `entropy`, each position's entropy). Only the completion's logits are materialised; with
+    `share_prompts`, each distinct prompt is computed once (shared_prompt_logits)."""
+    logits = completion_logits(model, ids_NT, attention_NT, prompt_len, share_prompts) / temperature
     lse = torch.logsumexp(logits, -1)
     logp = logits.gather(-1, ids_NT[:, prompt_len:].unsqueeze(-1)).squeeze(-1) - lse
     if not entropy:
@@ -251,8 +302,8 @@ def completion_logprobs(model: torch.nn.Module, ids_NT: torch.Tensor, attention_
 
 
 @torch.no_grad()
-def logprobs_in_chunks(model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, p: int, temperature: float, rows: int) -> torch.Tensor:
-    return torch.cat([completion_logprobs(model, ids[i : i + rows], attention[i : i + rows], p, temperature) for i in range(0, len(ids), rows)])
+def logprobs_in_chunks(model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, p: int, temperature: float, rows: int, share_prompts: bool = False) -> torch.Tensor:
+    return torch.cat([completion_logprobs(model, ids[i : i + rows], attention[i : i + rows], p, temperature, share_prompts=share_prompts) for i in range(0, len(ids), rows)])
 
 
 def to_rollout(samples: Samples, model: torch.nn.Module, ref_model: torch.nn.Module | None, cfg: TrainConfig, tokenizer: Any, seconds: float, stats: dict[str, float] | None = None,
@@ -266,7 +317,7 @@ def to_rollout(samples: Samples, model: torch.nn.Module, ref_model: torch.nn.Mod
     loss_mask = cmask * (~truncated).long().unsqueeze(1) if cfg.overlong == "mask" else cmask
     if samples.model_masks is not None:  # an episode's environment tokens are context: out of the loss
         loss_mask = loss_mask * pad_rows(samples.model_masks, cmask.shape[1], device)
-    ref = logprobs_in_chunks(ref_model, ids, attention, p, cfg.temperature, cfg.batch_size * cfg.group_size) if ref_model is not None else None
+    ref = logprobs_in_chunks(ref_model, ids, attention, p, cfg.temperature, cfg.batch_size * cfg.group_size, cfg.share_prompts) if ref_model is not None else None
     ro = Rollout(ids, attention, p, cmask, loss_mask, group_advantages(rewards, cfg.group_size, cfg.scale_rewards), rewards, None, ref,
                  samples.reward_means, samples.texts, truncated, seconds, stats or {})
     if cfg.iterations > 1:  # the ratio's denominator for the iterations to come: only the rows their steps compute
@@ -283,7 +334,7 @@ def planned_logprobs(model: torch.nn.Module, ro: Rollout, cfg: TrainConfig, rank
     for picked in plan_micro_batches(ro, cfg, micro_slices(ro, cfg), ranks):
         picked = picked.to(ro.ids_NT.device)
         ids, attention, p, c = trimmed(ro, picked)
-        out[picked, :c] = completion_logprobs(model, ids, attention, p, cfg.temperature)
+        out[picked, :c] = completion_logprobs(model, ids, attention, p, cfg.temperature, share_prompts=cfg.share_prompts and ranks == 1)
     return out
 
 
@@ -309,9 +360,9 @@ def plan_micro_batches(ro: Rollout, cfg: TrainConfig, micro_rows: list[slice], r
     """The rows each micro-batch computes, as index tensors; the same loss and gradients as
     `micro_rows`, with less work. A row with zero advantage adds nothing to the loss or its
     gradient (no KL term): it is left out, and so is a row with no token in the loss. The rest
-    are sorted by length and cut where padding costs more than another micro-batch (never more
-    rows than the largest of `micro_rows`), and each is trimmed to its own width in
-    grpo_backward. bnpo (normalised per micro-batch) and a KL term keep `micro_rows` as they are;
+    are sorted by length and cut where padding (and, with `share_prompts`, a prompt computed again
+    in another micro-batch) costs more than another micro-batch (never more rows than the largest
+    of `micro_rows`), and each is trimmed to its own width in grpo_backward. bnpo (normalised per micro-batch) and a KL term keep `micro_rows` as they are;
     with several ranks each keeps its count of micro-batches (DDP and FSDP run theirs in step),
     at least one row in each."""
     every = [torch.arange(r.start or 0, min(r.stop, len(ro.advantages_N))) for r in micro_rows]  # on the CPU, as is all the planning
@@ -327,14 +378,21 @@ def plan_micro_batches(ro: Rollout, cfg: TrainConfig, micro_rows: list[slice], r
         return [every[0][:1]]
     order = order[torch.argsort(completion[order], stable=True)].tolist()
     c_len, p_len = completion[order].tolist(), prompt[order].tolist()
+    if cfg.share_prompts:  # each distinct prompt of a micro-batch runs once (shared_prompt_logits)
+        _, which = torch.unique(torch.where(ro.attention_NT[:, : ro.prompt_len].bool(), ro.ids_NT[:, : ro.prompt_len], -1).cpu(), dim=0, return_inverse=True)
+        key = which[order].tolist()
+    else:
+        key = list(range(len(order)))  # every row its own prompt
     cap = max(len(r) for r in every)
     n = len(order)
     best, cut = [0.0] + [float("inf")] * n, [0] * (n + 1)  # best[j]: cheapest plan of the j shortest rows; cut[j]: where its last micro-batch starts
     for j in range(1, n + 1):
         widest_c = widest_p = 0
+        prompts: set[int] = set()
         for i in range(j - 1, max(0, j - cap) - 1, -1):  # the last micro-batch is rows i..j-1, as trimmed() pads them
             widest_c, widest_p = max(widest_c, c_len[i]), max(widest_p, p_len[i])
-            cost = best[i] + MICRO_BATCH_COST + (j - i) * (widest_c + widest_p)
+            prompts.add(key[i])
+            cost = best[i] + MICRO_BATCH_COST + len(prompts) * widest_p + (j - i) * widest_c
             if cost < best[j]:
                 best[j], cut[j] = cost, i
     plan, j = [], n
@@ -365,13 +423,14 @@ def grpo_backward(model: torch.nn.Module, acc: Any, ro: Rollout, cfg: TrainConfi
         norm_tokens = float(acc.reduce(torch.tensor([tokens], device=acc.device), reduction="sum").item()) / acc.num_processes
     eps_high = cfg.epsilon_high or cfg.epsilon
     plan = plan_micro_batches(ro, cfg, micro_rows, acc.num_processes)
+    share = cfg.share_prompts and acc.num_processes == 1  # DDP and FSDP take one forward per backward
     total, low, high, kl_sum, ent_sum, masked, computed = 0.0, 0, 0, 0.0, 0.0, 0, 0
     for i, rows in enumerate(plan):
         rows = rows.to(ro.ids_NT.device)
         ids, attention, p, c = trimmed(ro, rows)
         mask = ro.loss_mask_NC[rows, :c].float()
         computed += int(mask.sum())
-        logp, ent = completion_logprobs(model, ids, attention, p, cfg.temperature, entropy=True)
+        logp, ent = completion_logprobs(model, ids, attention, p, cfg.temperature, entropy=True, share_prompts=share)
         old = logp.detach() if ro.old_logp_NC is None else ro.old_logp_NC[rows, :c]
         if ro.behaviour_logp_NC is not None:  # sampled elsewhere, maybe k versions ago: the ratio is against the sampler's log-probs
             behaviour = ro.behaviour_logp_NC[rows, :c]

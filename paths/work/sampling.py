@@ -75,6 +75,9 @@ def sample_tokens(logits_NV: torch.Tensor, temperature: float, top_p: float, u_N
     return inverse_cdf(sampling_cdf(logits_NV, temperature, top_p), u)
 
 
+DROP_SHARE = 0.25  # generate() drops finished rows from its batch once they are this share of it
+
+
 @torch.inference_mode()
 def generate(model: torch.nn.Module, ids_NP: torch.Tensor, mask_NP: torch.Tensor, max_new_tokens: int, temperature: float, top_p: float, eos_id: int, pad_id: int, repeats: int = 1,
              uniforms_NC: torch.Tensor | None = None, logprobs: list[torch.Tensor] | None = None) -> torch.Tensor:
@@ -82,7 +85,11 @@ def generate(model: torch.nn.Module, ids_NP: torch.Tensor, mask_NP: torch.Tensor
     forward; with a `logprobs` list, each step's (N,) log-probabilities of the sampled tokens (at
     the sampling temperature) are appended to it. A lean loop instead of `generate()`: for small models its per-token bookkeeping costs
     as much as the forward pass. With `repeats`, each prompt is prefilled once and its cache copied
-    for its `repeats` completions (a GRPO group). Rows that produced EOS continue with padding."""
+    for its `repeats` completions (a GRPO group). A row that produced EOS is padded from there on;
+    once finished rows are DROP_SHARE of the batch they leave it (their cache too), so the
+    forwards run the unfinished rows only. A row draws with its own numbers (`uniforms_NC`), so
+    which rows share its forward does not choose its tokens (beyond the last bits of rounding,
+    which the trainer's seed check tolerates)."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
@@ -96,19 +103,25 @@ def generate(model: torch.nn.Module, ids_NP: torch.Tensor, mask_NP: torch.Tensor
     n = len(mask_NP)
     mask = torch.cat([mask_NP, torch.ones((n, max_new_tokens), dtype=mask_NP.dtype, device=mask_NP.device)], dim=1)
     pos = positions[:, -1:]
-    done = torch.zeros(n, dtype=torch.bool, device=ids_NP.device)
+    rows = torch.arange(n, device=ids_NP.device)  # the rows still in the batch
+    done = torch.zeros(n, dtype=torch.bool, device=ids_NP.device)  # of those, the ones past EOS
     out = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=ids_NP.device)
     width = ids_NP.shape[1]
     for t in range(max_new_tokens):
-        u = None if uniforms_NC is None else uniforms_NC[:, t]
-        token = torch.where(done, pad_id, sample_tokens(logits, temperature, top_p, u))  # (N,)
+        u = None if uniforms_NC is None else uniforms_NC[rows.to(uniforms_NC.device), t]
+        token = torch.where(done, pad_id, sample_tokens(logits, temperature, top_p, u))
         if logprobs is not None:
             scaled = logits.float() / (temperature or 1.0)
-            logprobs.append(scaled.gather(1, token.unsqueeze(1)).squeeze(1) - torch.logsumexp(scaled, -1))
-        out[:, t] = token
+            step = torch.zeros(n, dtype=scaled.dtype, device=scaled.device)
+            logprobs.append(step.index_copy_(0, rows, scaled.gather(1, token.unsqueeze(1)).squeeze(1) - torch.logsumexp(scaled, -1)))
+        out[rows, t] = token
         done |= token == eos_id
         if t + 1 == max_new_tokens or bool(done.all()):
             return out[:, : t + 1]
+        if int(done.sum()) >= DROP_SHARE * len(rows) and hasattr(cache, "batch_select_indices"):
+            stay = torch.nonzero(~done).squeeze(1)
+            cache.batch_select_indices(stay)
+            rows, mask, pos, token, done = rows[stay], mask[stay], pos[stay], token[stay], done[stay]
         pos = pos + 1
         logits = model(input_ids=token.unsqueeze(1), attention_mask=mask[:, : width + t + 1], position_ids=pos, use_cache=True, **kv, **keep).logits[:, -1]
     return out

@@ -4,6 +4,7 @@ resume, the rewards and task generator, and bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -118,7 +119,8 @@ def test_a_micro_batch_plan_covers_each_row_with_signal_once():
 
 @pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("cost", [256, 0])  # 0: a micro-batch per length
-def test_leaving_rows_without_signal_out_changes_no_gradient(rl_run, tmp_path, monkeypatch, loss, cost):
+@pytest.mark.parametrize("share", [True, False])  # each distinct prompt computed once (shared_prompt_logits), or every row's
+def test_leaving_rows_without_signal_out_changes_no_gradient(rl_run, tmp_path, monkeypatch, loss, cost, share):
     from accelerate import Accelerator
 
     import paths.work.grpo as grpo
@@ -136,12 +138,19 @@ def test_leaving_rows_without_signal_out_changes_no_gradient(rl_run, tmp_path, m
     monkeypatch.setattr(grpo, "MICRO_BATCH_COST", cost)
     grads, stats = [], []
     whole = lambda ro, rows: (ro.ids_NT[rows], ro.attention_NT[rows], ro.prompt_len, ro.completion_mask_NC.shape[1])  # noqa: E731  every column
-    for plan, trim in ((grpo.plan_micro_batches, grpo.trimmed), (lambda ro, cfg, rows, ranks=1: [torch.arange(r.start, r.stop) for r in rows], whole)):  # planned, then every row as given
+    every_row = dataclasses.replace(cfg, share_prompts=False)  # each row its own pass
+    planned = (grpo.plan_micro_batches, grpo.trimmed, cfg if share else every_row)
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    for plan, trim, c in (planned, (lambda ro, cfg, rows, ranks=1: [torch.arange(r.start, r.stop) for r in rows], whole, every_row)):  # planned, then every row as given
         monkeypatch.setattr(grpo, "plan_micro_batches", plan)
         monkeypatch.setattr(grpo, "trimmed", trim)
         model.zero_grad()
-        stats.append(grpo_backward(model, acc, ro, cfg, [slice(0, 8), slice(8, 16)]))
+        forwards.clear()
+        stats.append(grpo_backward(model, acc, ro, c, [slice(0, 8), slice(8, 16)]))
         grads.append([p.grad.clone() for p in model.parameters()])
+        shared = len(forwards) - stats[-1]["micro_batches"]  # a micro-batch that shares: a pass over its prompts, then its completions
+        assert shared > 0 if c.share_prompts else shared == 0
     assert stats[0]["rows_computed"] == 0.5 and stats[1]["rows_computed"] == 1.0
     assert stats[0]["loss"] == pytest.approx(stats[1]["loss"], abs=1e-6) and stats[0]["clip_fraction"] == stats[1]["clip_fraction"]
     assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(*grads))
@@ -302,6 +311,33 @@ def test_a_group_prefilled_once_samples_what_separate_prompts_sample(rl_run, tmp
     once = generate(model, *left_pad(prompts, 0), 6, 1e-6, 1.0, eos_id=-1, pad_id=0, repeats=4)
     each = generate(model, *left_pad([p for p in prompts for _ in range(4)], 0), 6, 1e-6, 1.0, eos_id=-1, pad_id=0)
     assert once.shape == (12, 6) and torch.equal(once, each)
+
+
+def test_dropping_finished_rows_from_the_batch_changes_no_token(rl_run, tmp_path, monkeypatch):
+    """Rows that produced EOS leave the batch (sampling.DROP_SHARE): every row draws the same
+    tokens with the same log-probs as when the batch keeps every row to the end."""
+    import paths.work.sampling as sampling
+    from paths.work.sampling import generate, left_pad
+    from sharding.dataset import read_prompts
+
+    model, _ = loaded(rl_run, tmp_path)
+    model.eval()
+    ids, mask = left_pad([r["ids"] for r in read_prompts(rl_run, "rl", "p00")[:4]], 0)
+    u = torch.rand(16, 12, generator=torch.Generator().manual_seed(0))
+    free = generate(model, ids, mask, 12, 1.0, 1.0, eos_id=-1, pad_id=0, repeats=4, uniforms_NC=u)
+    eos = int(free[:, 1:].flatten().mode().values)  # a token many rows draw, at several steps: rows end at different times
+    runs = []
+    for share in (2.0, 0.0, 0.25):  # never drop; drop at every step; the default
+        monkeypatch.setattr(sampling, "DROP_SHARE", share)
+        logp: list[torch.Tensor] = []
+        runs.append((generate(model, ids, mask, 12, 1.0, 1.0, eos_id=eos, pad_id=0, repeats=4, uniforms_NC=u, logprobs=logp), torch.stack(logp, 1)))
+    (kept, kept_lp), *dropped = runs
+    ends = {int((row == eos).nonzero()[0]) for row in kept if (row == eos).any()}
+    assert len(ends) >= 2 and not all((row == eos).any() for row in kept)  # rows finish at different steps, some never
+    for out, lp in dropped:
+        assert torch.equal(out, kept)
+        live = torch.cat([torch.ones(len(kept), 1, dtype=torch.bool), (kept[:, :-1] != eos).cumprod(1).bool()], 1)[:, : lp.shape[1]]  # up to each row's EOS
+        torch.testing.assert_close(lp[live], kept_lp[live], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "int8"])

@@ -97,7 +97,7 @@ def test_forward_passes_stay_one_micro_batch_wide_whatever_grad_accum(rl_run, tm
 
     model, tok = loaded(rl_run, tmp_path)
     ref, _ = loaded(rl_run, tmp_path)
-    cfg = load_config(sets=["batch_size=2", "group_size=4", "grad_accum=4", "max_new_tokens=6", "iterations=2", "beta=0.1", "generation_batch_size=4"], steps=1)
+    cfg = load_config(sets=["batch_size=2", "group_size=4", "grad_accum=4", "max_new_tokens=6", "iterations=2", "beta=0.1", "generation_batch_size=4", "share_prompts=false"], steps=1)  # every row one pass (shared: below)
     seen: list[tuple[int, int, int]] = []
     for m in (model, ref):
         m.register_forward_hook(lambda mod, args, kwargs, out: seen.append((kwargs["input_ids"].shape[0], kwargs["input_ids"].shape[1], out.logits.shape[1])), with_kwargs=True)
@@ -110,6 +110,27 @@ def test_forward_passes_stay_one_micro_batch_wide_whatever_grad_accum(rl_run, tm
     assert generation and max(rows for rows, _, _ in generation) <= 4
     assert len(logprob) == 3 * 4  # old, reference and policy passes over 4 micro-batches
     assert all(rows == 8 and keep <= cfg.max_new_tokens + 1 < width for rows, width, keep in logprob)
+
+
+def test_shared_prompt_passes_stay_one_micro_batch_wide_too(rl_run, tmp_path):
+    """The same step with share_prompts (the default): each log-prob pass is a pass over the
+    micro-batch's 2 distinct prompts (the first completion logit only), then one over its 8 rows
+    on their cache (completion logits only)."""
+    from accelerate import Accelerator
+
+    model, tok = loaded(rl_run, tmp_path)
+    ref, _ = loaded(rl_run, tmp_path)
+    cfg = load_config(sets=["batch_size=2", "group_size=4", "grad_accum=4", "max_new_tokens=6", "iterations=2", "beta=0.1", "generation_batch_size=4"], steps=1)
+    seen: list[tuple[int, int, int]] = []
+    for m in (model, ref):
+        m.register_forward_hook(lambda mod, args, kwargs, out: seen.append((kwargs["input_ids"].shape[0], kwargs["input_ids"].shape[1], out.logits.shape[1]))
+                                if not torch.is_inference_mode_enabled() else None, with_kwargs=True)  # sampling runs in inference mode
+    batches = iter([{"index": torch.arange(i, i + 2)} for i in range(0, 16, 2)])
+    GRPOStep(cfg, read_prompts(rl_run, "rl", "p00"), [load_reward(f"{TOYS}:even_first_char")], tok, ref.eval(), "rl")(model, Accelerator(cpu=True), batches)
+    assert len(seen) == 2 * 3 * 4  # old, reference and policy passes over 4 micro-batches, two forwards each
+    prompts, completions = seen[::2], seen[1::2]
+    assert all(rows == 2 and keep == 1 for rows, _, keep in prompts)
+    assert all(rows == 8 and width == keep <= cfg.max_new_tokens - 1 for rows, width, keep in completions)  # the completions but their last token: no prompt column
 
 
 # -- settings and bad input --------------------------------------------------------------------------
