@@ -37,13 +37,13 @@ def fusable(model: torch.nn.Module) -> bool:
 
     if not isinstance(model, PreTrainedModel) or getattr(model.config, "model_type", None) not in PLAIN_HEADS:
         return False
-    if hasattr(model, "_original_forward") or _sharded(model):  # accelerate's autocast wrapper; FSDP2
+    if hasattr(model, "_original_forward") or sharded(model):  # accelerate's autocast wrapper; FSDP2
         return False
     head = model.get_output_embeddings()
     return isinstance(head, torch.nn.Linear) and head.bias is None
 
 
-def _sharded(model: torch.nn.Module) -> bool:
+def sharded(model: torch.nn.Module) -> bool:
     """FSDP2 shards the root with its layers (paths/fsdp.py), as fully_shard's users do."""
     try:
         from torch.distributed.fsdp import FSDPModule

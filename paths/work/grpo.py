@@ -255,11 +255,11 @@ def shared_prompt_logits(model: torch.nn.Module, ids_NT: torch.Tensor, attention
 
     from paths.work.sampling import cache_argument
 
-    from paths.head_loss import _sharded
+    from paths.head_loss import sharded
 
     inner = model.get_base_model() if hasattr(model, "peft_config") else model  # peft passes the model's arguments through to it
     takes = forward_arguments(type(inner))
-    if hasattr(model, "module") or _sharded(model) or "logits_to_keep" not in takes or not takes & {"cache", "past_key_values"}:
+    if hasattr(model, "module") or sharded(model) or "logits_to_keep" not in takes or not takes & {"cache", "past_key_values"}:
         return None
     rope = getattr(inner.config, "rope_parameters", None) or getattr(inner.config, "rope_scaling", None) or {}
     if rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):  # their frequencies follow the longest position a forward sees
