@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from paths.errors import ConfigurationError, DataError
+from paths.head_loss import sharded
 from paths.trainer import Callback, ranks_agree
 from paths.work.mixture import source_of
 from paths.work.rewards import Reward, score
-from paths.work.sampling import complete, device_of, evaluate, forward_arguments, left_pad, record_fields
+from paths.work.sampling import cache_argument, complete, device_of, evaluate, forward_arguments, left_pad, record_fields
 
 if TYPE_CHECKING:
     from paths.train_config import TrainConfig
@@ -253,10 +254,6 @@ def shared_prompt_logits(model: torch.nn.Module, ids_NT: torch.Tensor, attention
     fill (gradient checkpointing turns the cache off)."""
     from transformers import DynamicCache
 
-    from paths.work.sampling import cache_argument
-
-    from paths.head_loss import sharded
-
     inner = model.get_base_model() if hasattr(model, "peft_config") else model  # peft passes the model's arguments through to it
     takes = forward_arguments(type(inner))
     if hasattr(model, "module") or sharded(model) or "logits_to_keep" not in takes or not takes & {"cache", "past_key_values"}:
@@ -264,18 +261,17 @@ def shared_prompt_logits(model: torch.nn.Module, ids_NT: torch.Tensor, attention
     rope = getattr(inner.config, "rope_parameters", None) or getattr(inner.config, "rope_scaling", None) or {}
     if rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):  # their frequencies follow the longest position a forward sees
         return None
-    prompts, row_prompt = torch.unique(torch.where(attention_NT[:, :prompt_len].bool(), ids_NT[:, :prompt_len], -1), dim=0, return_inverse=True)
+    prompts, row_prompt = distinct_prompts(ids_NT, attention_NT, prompt_len)
     if len(prompts) == len(ids_NT):
         return None
-    first = torch.zeros(len(prompts), dtype=torch.long, device=ids_NT.device).scatter_(0, row_prompt, torch.arange(len(ids_NT), device=ids_NT.device))  # a row of each prompt
-    p_ids, p_att = ids_NT[first, :prompt_len], attention_NT[first, :prompt_len]
+    p_ids, p_att = prompts.clamp(min=0), (prompts >= 0).long()  # padding reads token 0: masked, it changes nothing
     p_pos = (p_att.cumsum(1) - 1).clamp(min=0)
     cache = DynamicCache()
     kv = {cache_argument(inner): cache}
     head = model(input_ids=p_ids, attention_mask=p_att, position_ids=p_pos, use_cache=True, logits_to_keep=1, **kv).logits
-    layers = getattr(cache, "layers", None)
-    if cache.get_seq_length() != prompt_len or (layers is not None and (len(layers) != getattr(inner.config, "num_hidden_layers", len(layers))
-                                                                        or any(layer.get_seq_length() != prompt_len for layer in layers))):
+    layers = getattr(cache, "layers", None)  # older transformers keep no layer objects: the cache's own length then
+    filled = [layer.get_seq_length() for layer in layers] if layers is not None else [cache.get_seq_length()]
+    if set(filled) != {prompt_len} or (layers is not None and len(layers) != getattr(inner.config, "num_hidden_layers", len(layers))):
         return None
     c = ids_NT.shape[1] - prompt_len
     if c == 1:
@@ -284,6 +280,11 @@ def shared_prompt_logits(model: torch.nn.Module, ids_NT: torch.Tensor, attention
     positions = p_att.sum(1, keepdim=True)[row_prompt] + torch.arange(c - 1, device=ids_NT.device)  # right padding's positions are never read
     rest = model(input_ids=ids_NT[:, prompt_len:-1], attention_mask=attention_NT[:, :-1], position_ids=positions, use_cache=True, logits_to_keep=c - 1, **kv).logits
     return torch.cat([head[row_prompt], rest], 1).float()
+
+
+def distinct_prompts(ids_NT: torch.Tensor, attention_NT: torch.Tensor, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each distinct prompt, its left padding as -1; which of them each row reads)."""
+    return torch.unique(torch.where(attention_NT[:, :prompt_len].bool(), ids_NT[:, :prompt_len], -1), dim=0, return_inverse=True)
 
 
 def completion_logprobs(model: torch.nn.Module, ids_NT: torch.Tensor, attention_NT: torch.Tensor, prompt_len: int, temperature: float, entropy: bool = False,
@@ -334,7 +335,7 @@ def planned_logprobs(model: torch.nn.Module, ro: Rollout, cfg: TrainConfig, rank
     for picked in plan_micro_batches(ro, cfg, micro_slices(ro, cfg), ranks):
         picked = picked.to(ro.ids_NT.device)
         ids, attention, p, c = trimmed(ro, picked)
-        out[picked, :c] = completion_logprobs(model, ids, attention, p, cfg.temperature, share_prompts=cfg.share_prompts and ranks == 1)
+        out[picked, :c] = completion_logprobs(model, ids, attention, p, cfg.temperature, share_prompts=cfg.share_prompts)
     return out
 
 
@@ -362,9 +363,9 @@ def plan_micro_batches(ro: Rollout, cfg: TrainConfig, micro_rows: list[slice], r
     gradient (no KL term): it is left out, and so is a row with no token in the loss. The rest
     are sorted by length and cut where padding (and, with `share_prompts`, a prompt computed again
     in another micro-batch) costs more than another micro-batch (never more rows than the largest
-    of `micro_rows`), and each is trimmed to its own width in grpo_backward. bnpo (normalised per micro-batch) and a KL term keep `micro_rows` as they are;
-    with several ranks each keeps its count of micro-batches (DDP and FSDP run theirs in step),
-    at least one row in each."""
+    of `micro_rows`), and each is trimmed to its own width in grpo_backward. bnpo (normalised per
+    micro-batch) and a KL term keep `micro_rows` as they are; with several ranks each keeps its
+    count of micro-batches (DDP and FSDP run theirs in step), at least one row in each."""
     every = [torch.arange(r.start or 0, min(r.stop, len(ro.advantages_N))) for r in micro_rows]  # on the CPU, as is all the planning
     if cfg.loss == "bnpo" or (cfg.beta > 0 and ro.ref_logp_NC is not None):
         return every
@@ -379,8 +380,7 @@ def plan_micro_batches(ro: Rollout, cfg: TrainConfig, micro_rows: list[slice], r
     order = order[torch.argsort(completion[order], stable=True)].tolist()
     c_len, p_len = completion[order].tolist(), prompt[order].tolist()
     if cfg.share_prompts:  # each distinct prompt of a micro-batch runs once (shared_prompt_logits)
-        _, which = torch.unique(torch.where(ro.attention_NT[:, : ro.prompt_len].bool(), ro.ids_NT[:, : ro.prompt_len], -1).cpu(), dim=0, return_inverse=True)
-        key = which[order].tolist()
+        key = distinct_prompts(ro.ids_NT, ro.attention_NT, ro.prompt_len)[1].cpu()[order].tolist()
     else:
         key = list(range(len(order)))  # every row its own prompt
     cap = max(len(r) for r in every)
@@ -423,14 +423,13 @@ def grpo_backward(model: torch.nn.Module, acc: Any, ro: Rollout, cfg: TrainConfi
         norm_tokens = float(acc.reduce(torch.tensor([tokens], device=acc.device), reduction="sum").item()) / acc.num_processes
     eps_high = cfg.epsilon_high or cfg.epsilon
     plan = plan_micro_batches(ro, cfg, micro_rows, acc.num_processes)
-    share = cfg.share_prompts and acc.num_processes == 1  # DDP and FSDP take one forward per backward
     total, low, high, kl_sum, ent_sum, masked, computed = 0.0, 0, 0, 0.0, 0.0, 0, 0
     for i, rows in enumerate(plan):
         rows = rows.to(ro.ids_NT.device)
         ids, attention, p, c = trimmed(ro, rows)
         mask = ro.loss_mask_NC[rows, :c].float()
         computed += int(mask.sum())
-        logp, ent = completion_logprobs(model, ids, attention, p, cfg.temperature, entropy=True, share_prompts=share)
+        logp, ent = completion_logprobs(model, ids, attention, p, cfg.temperature, entropy=True, share_prompts=cfg.share_prompts)
         old = logp.detach() if ro.old_logp_NC is None else ro.old_logp_NC[rows, :c]
         if ro.behaviour_logp_NC is not None:  # sampled elsewhere, maybe k versions ago: the ratio is against the sampler's log-probs
             behaviour = ro.behaviour_logp_NC[rows, :c]

@@ -118,7 +118,7 @@ def generate(model: torch.nn.Module, ids_NP: torch.Tensor, mask_NP: torch.Tensor
         done |= token == eos_id
         if t + 1 == max_new_tokens or bool(done.all()):
             return out[:, : t + 1]
-        if int(done.sum()) >= DROP_SHARE * len(rows) and hasattr(cache, "batch_select_indices"):
+        if int(done.sum()) >= DROP_SHARE * len(rows):
             stay = torch.nonzero(~done).squeeze(1)
             cache.batch_select_indices(stay)
             rows, mask, pos, token, done = rows[stay], mask[stay], pos[stay], token[stay], done[stay]
