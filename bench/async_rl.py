@@ -1,6 +1,6 @@
 """Asynchronous GRPO through the bucket, measured against synchronous GRPO on the same machine.
 
-    .venv/bin/python bench/async_rl.py [--steps 60] [--seed-steps 300] [--workers 1,2,4]
+    .venv/bin/python bench/async_rl.py [--steps 60] [--repeats 1] [--seed-steps 300] [--workers 1,2,4]
 
 Setup (bench/rl_paths.py's): a one-level mini-mixtral run whose path p00 learns every arithmetic
 family by SFT on worked solutions (the cold start), upcycled into 4 experts; each family routed
@@ -14,7 +14,10 @@ to one path (add p00, sub p01, mul p02, word p03).
    to the held-out reward every arm reaches (goal: 1 worker >= 1.5x sync), completions trained on
    per second, the trainer's own steps (no worker batch within rollout_wait), the mean policy lag
    and the stale batches; 2 and 4 workers on the one core show where it saturates. An asynchronous
-   arm's wall-clock ends when its trainer exits (its workers stop at their next look). Printed
+   arm's wall-clock ends when its trainer exits (its workers stop at their next look). One run of
+   an arm moves +-10% between runs on a 2-core machine: `--repeats N` runs every arm N times, in
+   alternating order (sync first, then last), each from a fresh copy of the seed, and prints the
+   medians, the ratio of the median walls and each round's ratio. Printed
    beside the sync arm: the share of groups without signal, whose rows no step computes
    (grpo.plan_micro_batches), so the sampling share and the bound move with the reward.
 2. int8 vs fp32 rollout workers: tokens/s of `paths rollout --dtype int8` and `fp32` from the same
@@ -133,6 +136,27 @@ def int8_by_size(presets: list[str], threads: int, prompts: int = 8, prompt_len:
     return out
 
 
+def arm_row(name: str, arm: dict, target: float, completions: int, batch: int) -> dict:
+    """One run of one arm: wall-clock, time to the target held-out reward, completions/s, the
+    median step (without evaluations), and for sync the share of its steps spent sampling (what a
+    rollout machine can take off), for async the trainer's own steps, lag, stale and masked."""
+    ms = arm["metrics"]
+    row = {"wall_s": arm["wall_s"], "to_target_s": reached(ms, target, arm["t0"]), "completions_per_s": completions / arm["wall_s"],
+           "heldout": [m["heldout_reward"] for m in ms if "heldout_reward" in m]}
+    plain = plain_steps(ms)
+    row["median_step_s"] = statistics.median(d for _, d in plain)
+    if name == "sync":  # a synchronous step samples, then trains: what a rollout machine can take off it
+        row["sampling_share"] = sum(batch * 8 / m["completions_per_s"] for m, _ in plain) / sum(d for _, d in plain)
+        row["completion_length"] = statistics.mean(m["completion_length"] for m in ms)
+        row["speedup_bound"] = 1 / (1 - row["sampling_share"])
+    else:
+        row |= {"own_steps": sum(m["own_batches"] for m in ms), "policy_lag": sum(m["policy_lag"] for m in ms) / len(ms),
+                "stale_batches": sum(m.get("stale_batches", 0) for m in ms), "mismatch_masked": sum(m["mismatch_masked"] for m in ms) / len(ms)}
+    row["zero_variance_groups"] = statistics.mean(m["zero_variance_groups"] for m in ms)  # their rows are not computed (grpo.plan_micro_batches)
+    row["rows_computed"] = statistics.mean(m["rows_computed"] for m in ms)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", default=os.path.join(ROOT, "bench", "out", "async_rl"))
@@ -140,6 +164,7 @@ def main() -> None:
     ap.add_argument("--seed-steps", type=int, default=300)
     ap.add_argument("--steps", type=int, default=60, help="GRPO steps of every arm of the rollout-machine comparison")
     ap.add_argument("--workers", default="1,2,4", help="rollout worker counts sharing the second core")
+    ap.add_argument("--repeats", type=int, default=1, help="alternating rounds of every arm (medians reported; a run moves +-10%% between runs here)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--int8-presets", default="mini-mixtral,small-mixtral,bench-mixtral", help="presets of the int8-by-width measurement (empty: skip it)")
@@ -160,41 +185,39 @@ def main() -> None:
     out: dict = {"at": time.time(), "args": vars(a)}
     tasks, seed_dir = sft_seed(a.work, a.prompts, a.seed_steps, levels=a.levels, seq_len=96 if a.max_new_tokens <= 32 else 128)
 
-    # 1. what a rollout machine buys: sync on one core, against 1, 2, 4 workers on the other
+    # 1. what a rollout machine buys: sync on one core, against 1, 2, 4 workers on the other;
+    # --repeats alternating rounds (sync first, then last), each arm a fresh run from the seed
     held, sampling = ["eval_every=10", "eval_prompts=64"], (f"max_new_tokens={a.max_new_tokens}",)
-    sync_run = new_run(a.work, "sync", tasks, seed_dir)
-    paths_cmd("claim", sync_run, "--path", "p00", "--worker", "sync", env=env("sync", a.work, 1))
-    t0 = time.time()
-    paths_cmd(*trainer_args(sync_run, "p00", a.steps, a.batch, a.lr, *held, *sampling, store=False), env=env("sync", a.work, 1), cpus=TRAINER_CPUS)
-    arms = {"sync": {"wall_s": time.time() - t0, "t0": t0, "metrics": metrics(sync_run, "p00")}}
-    for k in workers:
-        r = new_run(a.work, f"async-{k}", tasks, seed_dir)
-        t0 = time.time()
-        wall = async_arm(a.work, r, "p00", a.steps, a.batch, a.lr, k, *held, "rollout_wait=120", sampling=sampling, tag=f"-{k}")
-        arms[k] = {"wall_s": wall, "t0": t0, "metrics": metrics(r, "p00")}
+    arms: dict[str, list[dict]] = {"sync": [], **{str(k): [] for k in workers}}
+    for r in range(a.repeats):
+        others = [str(k) for k in workers]
+        for name in (["sync", *others] if r % 2 == 0 else [*others, "sync"]):
+            run = new_run(a.work, f"{'sync' if name == 'sync' else 'async-' + name}-r{r}", tasks, seed_dir)
+            if name == "sync":
+                paths_cmd("claim", run, "--path", "p00", "--worker", "sync", env=env(f"sync-{r}", a.work, 1))
+                t0 = time.time()
+                paths_cmd(*trainer_args(run, "p00", a.steps, a.batch, a.lr, *held, *sampling, store=False), env=env(f"sync-{r}", a.work, 1), cpus=TRAINER_CPUS)
+                wall = time.time() - t0
+            else:
+                t0 = time.time()
+                wall = async_arm(a.work, run, "p00", a.steps, a.batch, a.lr, int(name), *held, "rollout_wait=120", sampling=sampling, tag=f"-{name}-r{r}")
+            arms[name].append({"wall_s": wall, "t0": t0, "metrics": metrics(run, "p00")})
     best = lambda ms: max(m["heldout_reward"] for m in ms if "heldout_reward" in m)  # noqa: E731
-    target = min(best(arm["metrics"]) for arm in arms.values())
+    target = min(best(one["metrics"]) for runs in arms.values() for one in runs)
     completions = a.steps * a.batch * 8
-    machine = {"steps": a.steps, "target_heldout": target}
-    for name, arm in arms.items():
-        ms = arm["metrics"]
-        row = {"wall_s": arm["wall_s"], "to_target_s": reached(ms, target, arm["t0"]), "completions_per_s": completions / arm["wall_s"],
-               "heldout": [m["heldout_reward"] for m in ms if "heldout_reward" in m]}
-        plain = plain_steps(ms)
-        row["median_step_s"] = statistics.median(d for _, d in plain)
-        if name == "sync":  # a synchronous step samples, then trains: what a rollout machine can take off it
-            row["sampling_share"] = sum(a.batch * 8 / m["completions_per_s"] for m, _ in plain) / sum(d for _, d in plain)
-            row["completion_length"] = statistics.mean(m["completion_length"] for m in ms)
-            row["speedup_bound"] = 1 / (1 - row["sampling_share"])
-        else:
-            row |= {"own_steps": sum(m["own_batches"] for m in ms), "policy_lag": sum(m["policy_lag"] for m in ms) / len(ms),
-                    "stale_batches": sum(m.get("stale_batches", 0) for m in ms), "mismatch_masked": sum(m["mismatch_masked"] for m in ms) / len(ms)}
-        row["zero_variance_groups"] = statistics.mean(m["zero_variance_groups"] for m in ms)  # their rows are not computed (grpo.plan_micro_batches)
-        row["rows_computed"] = statistics.mean(m["rows_computed"] for m in ms)
-        machine[str(name)] = row
+    machine = {"steps": a.steps, "repeats": a.repeats, "target_heldout": target}
+    for name, runs in arms.items():
+        rows = [arm_row(name, one, target, completions, a.batch) for one in runs]
+        row = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k not in ("heldout", "to_target_s")}  # medians over the repeats
+        reached_in = [r["to_target_s"] for r in rows if r["to_target_s"] is not None]
+        row |= {"to_target_s": statistics.median(reached_in) if reached_in else None, "runs": rows}
+        machine[name] = row
     for k in workers:
-        machine[str(k)]["speedup_to_target"] = machine["sync"]["to_target_s"] / machine[str(k)]["to_target_s"]
-        machine[str(k)]["speedup_throughput"] = machine["sync"]["wall_s"] / machine[str(k)]["wall_s"]
+        m, sy = machine[str(k)], machine["sync"]
+        m["speedup_to_target"] = sy["to_target_s"] / m["to_target_s"] if sy["to_target_s"] and m["to_target_s"] else None
+        m["speedup_throughput"] = sy["wall_s"] / m["wall_s"]  # the ratio of the medians
+        m["pair_speedups"] = [s["wall_s"] / w["wall_s"] for s, w in zip(sy["runs"], m["runs"])]
+        m["speedup_step"] = sy["median_step_s"] / m["median_step_s"]
     out["rollout_machine"] = machine
 
     # 2. int8 vs fp32 workers from one published policy
@@ -234,21 +257,26 @@ def main() -> None:
 
     # the figures
     sy = machine["sync"]
-    print(f"\n1. what a rollout machine buys (p00, {a.steps} steps x {a.batch} prompts x 8; trainer on core 0, workers on core 1, one thread each); "
-          f"to held-out reward {target:.3f}:")
+    secs = lambda x: "never" if x is None else f"{x:.0f}s"  # noqa: E731
+    times = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
+    print(f"\n1. what a rollout machine buys (p00, {a.steps} steps x {a.batch} prompts x 8; trainer on core 0, workers on core 1, one thread each; "
+          f"medians of {a.repeats} alternating run{'s' if a.repeats > 1 else ''}); to held-out reward {target:.3f}:")
     print(f"   sync, one core: {sy['wall_s']:.0f}s ({sy['completions_per_s']:.1f} completions/s of {sy['completion_length']:.0f} tokens; a step {sy['median_step_s']:.2f}s, {sy['sampling_share']:.0%} of it sampling: "
-          f"a rollout machine can buy at most {sy['speedup_bound']:.2f}x), to target {sy['to_target_s']:.0f}s; "
+          f"a rollout machine can buy at most {sy['speedup_bound']:.2f}x), to target {secs(sy['to_target_s'])}; "
           f"{sy['zero_variance_groups']:.0%} of groups without signal, {sy['rows_computed']:.0%} of rows computed")
     for k in workers:
         m = machine[str(k)]
-        print(f"   async + {k} worker{'s' if k > 1 else ''} on the other core: {m['wall_s']:.0f}s ({m['completions_per_s']:.1f}/s, {m['speedup_throughput']:.2f}x; a step {m['median_step_s']:.2f}s), to target {m['to_target_s']:.0f}s "
-              f"({m['speedup_to_target']:.2f}x; goal >= 1.5 with 1 worker); own steps {m['own_steps']:.0f}, lag {m['policy_lag']:.2f}, stale {m['stale_batches']:.0f}, masked {m['mismatch_masked']:.4f}")
+        print(f"   async + {k} worker{'s' if k > 1 else ''} on the other core: {m['wall_s']:.0f}s ({m['completions_per_s']:.1f}/s, {m['speedup_throughput']:.2f}x, each pair "
+              + ", ".join(f"{x:.2f}x" for x in m["pair_speedups"]) + f"; a step {m['median_step_s']:.2f}s, {m['speedup_step']:.2f}x), to target {secs(m['to_target_s'])} "
+              f"({times(m['speedup_to_target'])}; goal >= 1.5 with 1 worker); own steps {m['own_steps']:.0f}, lag {m['policy_lag']:.2f}, stale {m['stale_batches']:.0f}, masked {m['mismatch_masked']:.4f}, "
+              f"{m['zero_variance_groups']:.0%} of groups without signal")
     q = out["int8_vs_fp32"]
     print(f"2. rollout tokens/s: int8 {q['tokens_per_s']['int8']:.0f}, fp32 {q['tokens_per_s']['fp32']:.0f} ({q['tokens_per_s']['int8'] / q['tokens_per_s']['fp32']:.2f}x); "
           f"tokens masked at step 1: int8 {masked['int8']:.4f}, fp32 {masked['fp32']:.4f}; by width: "
           + ", ".join(f"{k} ({v['parameters'] / 1e6:.1f}M) {v['int8_speedup']:.2f}x" for k, v in q["by_width"].items()))
-    print(f"reproduce: .venv/bin/python bench/async_rl.py --steps {a.steps} --seed-steps {a.seed_steps} --prompts {a.prompts} --workers {a.workers} --levels {a.levels} --max-new-tokens {a.max_new_tokens}"
+    print(f"reproduce: .venv/bin/python bench/async_rl.py --steps {a.steps} --repeats {a.repeats} --seed-steps {a.seed_steps} --prompts {a.prompts} --workers {a.workers} --levels {a.levels} --max-new-tokens {a.max_new_tokens}"
           f" --int8-presets '{a.int8_presets}'")
+    os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "out", "async_rl.jsonl"), "a") as f:
         f.write(json.dumps(out) + "\n")
 

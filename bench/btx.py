@@ -141,6 +141,7 @@ def main() -> None:
     print(f"reproduce: .venv/bin/python bench/btx.py --preset {a.preset} --steps {a.steps} --ft-steps {a.ft_steps} --lr {a.lr} --ft-lr {a.ft_lr} --seed-steps {a.seed_steps} --seed-lr {a.seed_lr}")
     record = {"bench": "btx", "preset": a.preset, "steps": a.steps, "ft_steps": a.ft_steps, "lr": a.lr, "ft_lr": a.ft_lr,
               "seed": {k: seed[k] for k in ("steps", "lr", "heldout_perplexity", "sha256")}, "perplexity": table, "seconds": seconds, "at": time.time()}
+    os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "out", "btx.jsonl"), "a") as f:
         f.write(json.dumps(record) + "\n")
 

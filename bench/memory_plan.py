@@ -127,6 +127,7 @@ def main() -> None:
             estimated = plan[row]["total"] * 1024
             rows.append({"preset": preset, "mode": row, "params": params, "estimated_mib": estimated, "measured_mib": measured, "runtime_mib": runtime["runtime-fsdp" if row.startswith("FSDP") else "runtime"], "ratio": estimated / measured})
             print(f"{preset:18} {row:22} {estimated:>14.1f} {measured:>13.1f} {estimated / measured:>11.2f}")
+    os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "out", "memory_plan.jsonl"), "a") as f:
         for r in rows:
             f.write(json.dumps({**r, "micro_batch": a.micro_batch, "seq_len": a.seq_len, "at": time.time()}) + "\n")

@@ -75,6 +75,7 @@ def main() -> None:
     for name, r in rows.items():
         share = ((r["p00"] + r["p01"]) / 2 - r["seed"]) / gain if gain else float("nan")
         print(f"{name:22} {r['p00']:>7.3f} {r['p01']:>7.3f} {r['composed']:>9.3f} {share:>18.2f} {r['train_seconds']:>8.0f}")
+    os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "out", "rl_lora.jsonl"), "a") as f:
         f.write(json.dumps({"steps": a.steps, "rank": a.rank, "rows": rows, "at": time.time()}) + "\n")
     print(f"\nreproduce: .venv/bin/python bench/rl_lora.py --steps {a.steps} --rank {a.rank} --lrs {a.lrs}")
