@@ -64,10 +64,11 @@ def trainer_args(run: str, path: str, steps: int, batch: int, lr: float, *extra:
 TRAINER_CPUS, WORKER_CPUS = {0}, {1}  # one core the trainer's, the other the rollout machine's
 
 
-def async_arm(work: str, run: str, path: str, steps: int, batch: int, lr: float, workers: int, *extra: str, sampling: tuple[str, ...] = (), dtype: str = "fp32", tag: str = "") -> float:
+def async_arm(work: str, run: str, path: str, steps: int, batch: int, lr: float, workers: int, *extra: str, sampling: tuple[str, ...] = (), dtype: str = "fp32", tag: str = "") -> tuple[float, float]:
     """A trainer pinned to TRAINER_CPUS and `workers` rollout workers pinned together to
-    WORKER_CPUS, each its own one-thread process; wall seconds. `sampling`: settings the trainer
-    and its workers must agree on (max_new_tokens)."""
+    WORKER_CPUS, each its own one-thread process; (the clock's start, wall seconds): the claim and
+    the workers' keys come before it, as the sync arm's claim does. `sampling`: settings the
+    trainer and its workers must agree on (max_new_tokens)."""
     paths_cmd("claim", run, "--path", path, "--worker", f"trainer-{path}{tag}", env=env(f"t-{path}{tag}", work, 1))
     keys = [admitted(work, run, f"cpu-{w}{tag}") for w in range(workers)]  # before the clock starts
     t0 = time.time()
@@ -78,7 +79,7 @@ def async_arm(work: str, run: str, path: str, steps: int, batch: int, lr: float,
     finish(procs[:1])
     wall = time.time() - t0  # the trainer's: its model is final when it exits (workers stop at their next look at the path)
     finish(procs[1:])
-    return wall
+    return t0, wall
 
 
 def plain_steps(records: list[dict]) -> list[tuple[dict, float]]:
@@ -199,8 +200,7 @@ def main() -> None:
                 paths_cmd(*trainer_args(run, "p00", a.steps, a.batch, a.lr, *held, *sampling, store=False), env=env(f"sync-{r}", a.work, 1), cpus=TRAINER_CPUS)
                 wall = time.time() - t0
             else:
-                t0 = time.time()
-                wall = async_arm(a.work, run, "p00", a.steps, a.batch, a.lr, int(name), *held, "rollout_wait=120", sampling=sampling, tag=f"-{name}-r{r}")
+                t0, wall = async_arm(a.work, run, "p00", a.steps, a.batch, a.lr, int(name), *held, "rollout_wait=120", sampling=sampling, tag=f"-{name}-r{r}")
             arms[name].append({"wall_s": wall, "t0": t0, "metrics": metrics(run, "p00")})
     best = lambda ms: max(m["heldout_reward"] for m in ms if "heldout_reward" in m)  # noqa: E731
     target = min(best(one["metrics"]) for runs in arms.values() for one in runs)

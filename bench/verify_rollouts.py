@@ -105,7 +105,8 @@ def main() -> None:
             b = decode(run.store.read(o.key), o.key, 1 << 30)
             u = row_uniforms(batch_seed(record["nonce"], dtype, b.meta["key"], b.position), len(b.completion_ids), cfg.max_new_tokens)
             recs = [records[i] for i in b.meta["prompt_index"] for _ in range(cfg.group_size)]
-            for miss, ins, gap in position_misses(model, recs, b.completion_ids, u, b.behaviour_logp_NC, cfg.temperature, cfg.top_p, tokenizer.pad_token_id):
+            for miss, ins, gap in position_misses(model, recs, b.completion_ids, u, b.behaviour_logp_NC, cfg.temperature, cfg.top_p, tokenizer.pad_token_id,
+                                                  share_prompts=cfg.share_prompts and dtype != "bf16"):
                 misses.append(miss), gaps.append(gap), inside.append(ins)
         miss, gap, ins = torch.cat(misses), torch.cat(gaps), torch.cat(inside)
         tol = TOLERANCES[dtype]

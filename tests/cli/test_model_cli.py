@@ -197,3 +197,23 @@ def test_plan_names_the_first_mode_that_fits_a_device(tmp_path):
     assert "no mode fits" in plan("--device-memory", "1")
     code, _, err = paths("plan", "--config", config, "--devices", "1")
     one_line_error(code, err, "--devices >= 2")
+
+
+def test_the_console_script_ends_its_process_as_main_would_and_freezes_only_there(run_dir):
+    """`paths` (cli.main:run) keeps main's output and exit codes, one-line errors included; the
+    objects are frozen out of the exit's garbage collections only where the process ends, never
+    in a caller's process."""
+    import gc
+    import subprocess
+    import sys
+    import tomllib
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert tomllib.load(open(os.path.join(root, "pyproject.toml"), "rb"))["project"]["scripts"]["paths"] == "cli.main:run"
+    for args, code, where, text in [(["plan", run_dir, "--levels", "1"], 0, "stdout", "paths: 4"), (["plan", run_dir + "-missing"], 1, "stderr", "error: "),
+                                    (["--version"], 0, "stdout", "paths, version")]:
+        proc = subprocess.run([sys.executable, "-c", "import gc, sys; from cli.main import run\ntry:\n run()\nfinally:\n print('frozen', gc.get_freeze_count() > 0)", *args],
+                              cwd=root, capture_output=True, text=True)
+        assert proc.returncode == code and text in getattr(proc, where) and proc.stdout.rstrip().endswith("frozen True"), (args, proc.stdout, proc.stderr)
+    before = gc.get_freeze_count()
+    assert paths("plan", run_dir, "--levels", "1")[0] == 0 and gc.get_freeze_count() == before

@@ -142,17 +142,19 @@ def check_episode_structure(batch: Batch, max_new_tokens: int, vocab: int) -> No
 
 
 def position_misses(model: torch.nn.Module, records: list[dict[str, Any]], completions: list[list[int]], uniforms_NC: torch.Tensor, behaviour_NC: torch.Tensor,
-                    temperature: float, top_p: float, pad_id: int, model_masks: list[list[int]] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+                    temperature: float, top_p: float, pad_id: int, model_masks: list[list[int]] | None = None,
+                    share_prompts: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per completion, one teacher-forced pass: at each of the model's positions (all, or those
     `model_masks` marks), how far (in probability mass) the seeded point u x total lies from the
     stated token's CDF interval (0 inside), whether it lies inside, and |p_stated - p_model| of the
-    token's behaviour probability."""
+    token's behaviour probability. With `share_prompts`, rows of one group in a chunk run their
+    prompt once (grpo.shared_prompt_logits: 15 rows of 16 groups hold about 11 prompts)."""
     ids, attention, p, _ = pack(records, completions, 1, pad_id, torch.device("cpu"))
     vocab = int(model.config.vocab_size)
     per = max(1, POSITIONS_PER_CHUNK // max(1, vocab * ids.shape[1]))
     with torch.inference_mode():
         for start in range(0, len(completions), per):
-            logits_KCV = completion_logits(model, ids[start : start + per].to(device_of(model)), attention[start : start + per].to(device_of(model)), p).cpu()
+            logits_KCV = completion_logits(model, ids[start : start + per].to(device_of(model)), attention[start : start + per].to(device_of(model)), p, share_prompts).cpu()
             for j, r in enumerate(range(start, min(start + per, len(completions)))):
                 length = len(completions[r])
                 token_C = torch.tensor(completions[r])
@@ -302,7 +304,8 @@ class BatchVerifier:
         seen = SeedCheck(rows=len(rows))
         masks = None if batch.model_masks is None else [batch.model_masks[r] for r in rows]
         found = position_misses(self.model(version, dtype), [records[r // cfg.group_size] for r in rows], [batch.completion_ids[r] for r in rows], u_all[rows],
-                                batch.behaviour_logp_NC[rows], cfg.temperature, cfg.top_p, self.tokenizer.pad_token_id, masks)
+                                batch.behaviour_logp_NC[rows], cfg.temperature, cfg.top_p, self.tokenizer.pad_token_id, masks,
+                                cfg.share_prompts and dtype != "bf16")  # a bf16 worker's log-probs are a pass of one row per prompt: its rounding is repeated
         for r, (miss_C, inside_C, gap_C) in zip(rows, found):
             if not bool(torch.isfinite(miss_C).all() and torch.isfinite(gap_C).all()):
                 raise Rejected(f"policy version {version} gives non-finite probabilities on row {r}: it cannot be checked", attributable=False)

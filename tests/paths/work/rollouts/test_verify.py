@@ -90,3 +90,38 @@ def test_a_trainer_takes_only_the_dtypes_it_allows(tmp_path, tokenizer_dir):
         source(run, tmp_path).verifier.verify(batch, record, lambda h: False)
     with pytest.raises(Exception, match="rollout_dtypes must be"):
         settings("rollout_dtypes=fp64")
+
+
+def test_the_seed_check_runs_a_groups_prompt_once_and_sees_what_a_pass_per_row_sees(tmp_path, tokenizer_dir, monkeypatch):
+    from paths.work import grpo
+    from paths.work.rollouts.verify import position_misses
+
+    run = prompt_run(tmp_path, tokenizer_dir, holdout=0.0)
+    start(run, tmp_path)
+    worker(run, 1, keyed(run, tmp_path, "w"))
+    src = source(run, tmp_path)
+    k = run.store.list("rollouts/p00/batches/w")[0].key
+    batch = decode(run.store.read(k), k, 1 << 30)
+    record = json.loads(run.store.read("policy/p00/v00000000/policy.json"))
+    cfg, group = src.cfg, src.cfg.group_size
+    records = [src.records[i] for i in batch.meta["prompt_index"]]
+    rows = sorted(random.Random(0).sample(range(len(batch.completion_ids)), 12))
+    assert len({r // group for r in rows}) < len(rows)  # some rows share their group's prompt
+    shared = []
+    real = grpo.shared_prompt_logits
+    monkeypatch.setattr(grpo, "shared_prompt_logits", lambda *a: shared.append(real(*a)) or shared[-1])
+
+    def misses(share: bool) -> list[torch.Tensor]:
+        u = row_uniforms(batch_seed(record["nonce"], "w", batch.meta["key"], batch.position), len(batch.completion_ids), cfg.max_new_tokens)
+        found = position_misses(src.verifier.model(0, "fp32"), [records[r // group] for r in rows], [batch.completion_ids[r] for r in rows], u[rows],
+                                batch.behaviour_logp_NC[rows], cfg.temperature, cfg.top_p, src.tokenizer.pad_token_id, share_prompts=share)
+        return [torch.stack([m, i.float(), g]) for m, i, g in found]
+
+    one_pass_per_row = misses(False)
+    assert shared == []
+    both = misses(True)
+    assert shared and all(s is not None for s in shared)  # the prompts did run once per group
+    assert len(both) == len(one_pass_per_row) == len(rows)
+    for a, b in zip(both, one_pass_per_row):
+        torch.testing.assert_close(a, b, atol=1e-8, rtol=1e-5)  # probabilities near 1 / vocabulary: a wrong position moves them more
+    assert src.verifier.verify(batch, record, lambda h: False).check.near == 0  # the trainer's own check shares them (share_prompts is on)
