@@ -66,8 +66,9 @@ def run() -> None:
     """The `paths` console script (and `python -m cli.main`): the command, then an exit without
     the interpreter's last garbage collections. With torch and transformers loaded they walk
     millions of objects for memory the OS takes back anyway: about 1.1 s of every command's exit
-    on a 2-core CPU, a second of each of the quickstart's dozens of commands and of each worker a
-    bench starts. gc.freeze() moves every object to the permanent generation, which those
+    on a 2-core CPU, paid by each `paths train` / `paths rollout` a worker machine, a test or a
+    bench starts, and by the quickstart's parallel lanes (its other stages run in its own process).
+    gc.freeze() moves every object to the permanent generation, which those
     collections skip; atexit handlers, weakref finalizers (temporary folders) and whatever
     reference counting frees still run. Only here, where the process ends: a caller of `main`
     in its own process (tests, CliRunner) keeps collecting."""
