@@ -266,7 +266,11 @@ class PolicyPublisher(Callback):
         self.writer.salt = self.source.salt  # a resumed trainer's (restored with its state)
         record = self.writer.publish(trainer.step, trainer.unwrapped, max_async=self.max_async, step=trainer.step, pending=self.source.waiting(), needs=self.needs,
                                      mixture=self.source.cfg.mixture)
-        self.source.published(record)
+        own = None
+        if record["kind"] == "full":  # exactly the trainer's weights now (a delta's or an adapter's are what workers rebuild)
+            live = trainer.unwrapped.state_dict()
+            own = {k: v.clone() if v.data_ptr() == live[k].data_ptr() else v for k, v in weights(trainer.unwrapped).items()}  # the optimizer moves the model's own
+        self.source.published(record, own)
 
     def started(self, trainer: Any) -> None:
         self.checkpointed = self.source.started_at = trainer.step

@@ -120,9 +120,12 @@ class StoreRollouts:
         self.salt = state.get("salt", self.salt)
         self.known = {(int(v), str(s), str(n)) for v, s, n in state.get("known", [])}
 
-    def published(self, record: dict[str, Any]) -> None:
-        """A policy version record this trainer (or one before it) published."""
+    def published(self, record: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """A policy version record this trainer (or one before it) published; with the `tensors`
+        this trainer published in it (a full version), the checks load it from memory."""
         self.known.add((int(record["version"]), str(record["sha256"]), str(record.get("nonce", ""))))
+        if tensors is not None:
+            self.verifier.remember(record, tensors)
 
     @property
     def ignored(self) -> set[str]:

@@ -39,11 +39,13 @@ from paths.errors import DataError
 from paths.work.grpo import Samples, completion_logits, pack, score_samples
 from paths.work.rollouts.batch import DTYPES, Batch, Rejected, prompt_sha
 from paths.work.rollouts.policy import PolicyReader, copy_as
+from paths.work.rollouts.versions import assign
 from paths.work.rollouts.seeds import batch_seed, pick_prompts, row_hash, row_uniforms
 from paths.work.sampling import device_of, sampling_cdf
 from storage.layout import Run
 
 POSITIONS_PER_CHUNK = 1 << 24  # (positions x vocabulary) floats a seed check holds at once
+OWN_VERSIONS_BYTES = 1 << 30  # the trainer's own published versions the checks keep in memory, at most (beyond: read back from the store)
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +195,7 @@ class BatchVerifier:
         self._weights: torch.nn.Module | None = None
         self._reader: PolicyReader | None = None
         self._model: tuple[int, str, torch.nn.Module] | None = None
+        self._own: dict[int, tuple[str, dict[str, torch.Tensor]]] = {}  # version -> (sha256, tensors) this trainer published
         self.vocab = 0
 
     def describe(self) -> str:
@@ -200,18 +203,38 @@ class BatchVerifier:
         return (f"seed-checking {self.rows} of {n} rows per batch, picked in secret: a batch with {self.cfg.verify_forged_share:.0%} forged rows "
                 f"is rejected with probability {self.detect:.4f}")
 
-    def model(self, version: int, dtype: str) -> torch.nn.Module:
-        """Policy version `version` as a `dtype` sampler computes (one kept at a time)."""
+    def remember(self, record: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """The tensors of a full version this trainer has just published (its own memory, trusted
+        as the trainer is): checking that version's batches then loads them from here instead of
+        reading the file back from the store and hashing it twice (at 150M parameters, 600 MB a
+        step). The newest max_async + 1 versions, within OWN_VERSIONS_BYTES."""
+        version = int(record["version"])
+        self._own[version] = (str(record["sha256"]), tensors)
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        keep = max(0, min(self.cfg.max_async + 1, OWN_VERSIONS_BYTES // max(1, size)))
+        for v in sorted(self._own)[: max(0, len(self._own) - keep)]:
+            del self._own[v]
+
+    def model(self, version: int, dtype: str, record: dict[str, Any] | None = None) -> torch.nn.Module:
+        """Policy version `version` as a `dtype` sampler computes (one kept at a time): from this
+        trainer's memory when it published that version (`record` names the same sha256), else
+        read from the store and checked against its sha256."""
         if self._model is None or self._model[:2] != (version, dtype):
             if self._weights is None:
                 with torch.random.fork_rng(devices=[]):  # checking a batch never moves the trainer's random state
                     self._weights = self.make_model().eval().to(self.device)
                 self.vocab = int(self._weights.config.vocab_size)
                 self._reader = PolicyReader(self.run, self.path, self._weights)
-            try:
-                self._reader.load(version)
-            except Exception:
-                raise Rejected(f"policy version {version} cannot be loaded (pruned meanwhile): it cannot be checked", attributable=False) from None
+            own = self._own.get(version)
+            if own is not None and record is not None and record.get("kind", "full") == "full" and own[0] == record.get("sha256"):
+                self._reader.held = None  # half-assigned until done
+                assign(self._weights, own[1])
+                self._reader.held = record  # a delta after it applies to what the model now holds
+            else:
+                try:
+                    self._reader.load(version)
+                except Exception:
+                    raise Rejected(f"policy version {version} cannot be loaded (pruned meanwhile): it cannot be checked", attributable=False) from None
             self._model = (version, dtype, copy_as(self._weights, dtype))
         return self._model[2]
 
@@ -254,7 +277,7 @@ class BatchVerifier:
         records = [self.records[i] for i in picked]
         if meta["prompt_sha256"] != [prompt_sha(r) for r in records]:
             raise Rejected("prompts differ from the path's own prompts (another shard?)")
-        self.model(batch.version, meta["dtype"])  # loads the version: the vocabulary is known from here on
+        self.model(batch.version, meta["dtype"], version_record)  # loads the version: the vocabulary is known from here on
         if (batch.model_masks is not None) != (self.episodes is not None):
             raise Rejected("episodes (with a model_mask) in a batch of single completions, or the other way round: not this dataset's rollouts")
         if self.episodes is None:

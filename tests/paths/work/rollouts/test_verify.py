@@ -125,3 +125,36 @@ def test_the_seed_check_runs_a_groups_prompt_once_and_sees_what_a_pass_per_row_s
     for a, b in zip(both, one_pass_per_row):
         torch.testing.assert_close(a, b, atol=1e-8, rtol=1e-5)  # probabilities near 1 / vocabulary: a wrong position moves them more
     assert src.verifier.verify(batch, record, lambda h: False).check.near == 0  # the trainer's own check shares them (share_prompts is on)
+
+
+def test_the_checks_load_a_version_the_trainer_published_from_its_memory(tmp_path, tokenizer_dir, monkeypatch):
+    """A version this trainer published is checked from the tensors it kept (no read back, no
+    hashing); one whose sha256 differs from the record's, or one it did not keep, is read from the
+    store and checked as before; either way the same seed check."""
+    from paths.work.rollouts import policy as policy_module
+    from paths.work.rollouts.versions import weights
+
+    run = prompt_run(tmp_path, tokenizer_dir, holdout=0.0)
+    start(run, tmp_path)
+    worker(run, 1, keyed(run, tmp_path, "w"))
+    k = run.store.list("rollouts/p00/batches/w")[0].key
+    batch = decode(run.store.read(k), k, 1 << 30)
+    record = json.loads(run.store.read("policy/p00/v00000000/policy.json"))
+    reads = []
+    real = policy_module.read_tensors
+    monkeypatch.setattr(policy_module, "read_tensors", lambda *a, **kw: reads.append(a[1]) or real(*a, **kw))
+
+    from_store = source(run, tmp_path, "verify_rows=64")
+    checked = from_store.verifier.verify(batch, record, lambda h: False).check
+    assert len(reads) == 1
+    kept = source(run, tmp_path, "verify_rows=64")
+    kept.published(record, weights(loaded(run, tmp_path)[0]))
+    assert kept.verifier.verify(batch, record, lambda h: False).check == checked and len(reads) == 1  # from memory: nothing read
+    wrong = source(run, tmp_path, "verify_rows=64")
+    other = {n: t + 1 for n, t in weights(loaded(run, tmp_path)[0]).items()}
+    wrong.published({**record, "sha256": "0" * 64}, other)  # not the version the record names: never used
+    assert wrong.verifier.verify(batch, record, lambda h: False).check == checked and len(reads) == 2
+    few = source(run, tmp_path, "max_async=2")
+    for v in range(5):  # only the newest max_async + 1 versions stay
+        few.published({**record, "version": v}, weights(loaded(run, tmp_path)[0]))
+    assert sorted(few.verifier._own) == [2, 3, 4]
