@@ -59,7 +59,11 @@ def _record(run: Run, path: str, version: int, salt: str, kind: str, digest: str
 
 def publish(run: Run, path: str, version: int, model: torch.nn.Module, salt: str, **meta: Any) -> dict[str, Any]:
     """Write a full policy version `version` (fp32 weights, then policy.json), then point latest.json at it."""
-    state = weights(model)
+    return publish_tensors(run, path, version, weights(model), salt, **meta)
+
+
+def publish_tensors(run: Run, path: str, version: int, state: dict[str, torch.Tensor], salt: str, **meta: Any) -> dict[str, Any]:
+    """`publish` of a model's `weights` already taken."""
     file = write_tensors(run.store, f"{version_key(run, path, version)}/{FILES['full']}", state, compress=False)
     return _record(run, path, version, salt, "full", state_digest(state), file, snapshot=version, **meta)
 
@@ -71,6 +75,7 @@ class VersionWriter:
     def __init__(self, run: Run, path: str, salt: str, snapshot_every: int, lora: LoraSpec | None = None, make_base: Callable[[], torch.nn.Module] | None = None):
         self.run, self.path, self.salt, self.snapshot_every, self.lora, self.make_base = run, path, salt, snapshot_every, lora, make_base
         self.published: dict[str, torch.Tensor] | None = None  # what workers rebuild from the last version this writer published
+        self.state: dict[str, torch.Tensor] | None = None  # the tensors the last version stands for (its sha256's), until the next publish or optimizer step; None for an adapter
         self.last: dict[str, Any] | None = None
         self.base: dict[str, Any] | None = None
 
@@ -79,18 +84,22 @@ class VersionWriter:
             return self._adapter(version, model, **meta)
         last = self.last
         if self.snapshot_every == 0 or last is None or self.published is None or version != last["version"] + 1 or version - last["snapshot"] >= self.snapshot_every:
-            record = publish(self.run, self.path, version, model, self.salt, **meta)
-            self.published = {k: v.clone() for k, v in weights(model).items()} if self.snapshot_every else None
+            state = weights(model)
+            record = publish_tensors(self.run, self.path, version, state, self.salt, **meta)
+            self.published = {k: v.clone() for k, v in state.items()} if self.snapshot_every else None
+            self.state = state
         else:
             delta = encode_delta(weights(model), self.published)
             file = write_tensors(self.run.store, f"{version_key(self.run, self.path, version)}/{FILES['delta']}", delta, compress=True)
             record = _record(self.run, self.path, version, self.salt, "delta", state_digest(self.published), file, parent=last["version"], parent_sha256=last["sha256"],
                              snapshot=last["snapshot"], **meta)
+            self.state = self.published  # what a worker rebuilds, the tensors its sha256 names
         self.last = record
         return record
 
     def _adapter(self, version: int, model: torch.nn.Module, **meta: Any) -> dict[str, Any]:
         assert self.lora is not None and self.make_base is not None
+        self.state = None
         if self.base is None:  # the frozen base, once (content-addressed: a restarted trainer finds it)
             state = weights(self.make_base())
             digest = state_digest(state)
@@ -266,11 +275,7 @@ class PolicyPublisher(Callback):
         self.writer.salt = self.source.salt  # a resumed trainer's (restored with its state)
         record = self.writer.publish(trainer.step, trainer.unwrapped, max_async=self.max_async, step=trainer.step, pending=self.source.waiting(), needs=self.needs,
                                      mixture=self.source.cfg.mixture)
-        own = None
-        if record["kind"] == "full":  # exactly the trainer's weights now (a delta's or an adapter's are what workers rebuild)
-            live = trainer.unwrapped.state_dict()
-            own = {k: v.clone() if v.data_ptr() == live[k].data_ptr() else v for k, v in weights(trainer.unwrapped).items()}  # the optimizer moves the model's own
-        self.source.published(record, own)
+        self.source.published(record, self.writer.state)
 
     def started(self, trainer: Any) -> None:
         self.checkpointed = self.source.started_at = trainer.step

@@ -122,7 +122,8 @@ class StoreRollouts:
 
     def published(self, record: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> None:
         """A policy version record this trainer (or one before it) published; with the `tensors`
-        this trainer published in it (a full version), the checks load it from memory."""
+        it stands for (as this trainer just published it: full or rebuilt from a delta), the checks
+        keep a copy and load that version from memory."""
         self.known.add((int(record["version"]), str(record["sha256"]), str(record.get("nonce", ""))))
         if tensors is not None:
             self.verifier.remember(record, tensors)

@@ -204,15 +204,16 @@ class BatchVerifier:
                 f"is rejected with probability {self.detect:.4f}")
 
     def remember(self, record: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-        """The tensors of a full version this trainer has just published (its own memory, trusted
-        as the trainer is): checking that version's batches then loads them from here instead of
-        reading the file back from the store and hashing it twice (at 150M parameters, 600 MB a
-        step). The newest max_async + 1 versions, within OWN_VERSIONS_BYTES."""
-        version = int(record["version"])
-        self._own[version] = (str(record["sha256"]), tensors)
+        """A copy of the tensors a version this trainer has just published stands for (its own
+        memory, trusted as the trainer is): checking that version's batches then loads them from
+        here instead of reading its file (and, for a delta, its snapshot's) back from the store and
+        hashing it twice (at 150M parameters, 600 MB a step). The newest max_async + 1 versions,
+        when they fit in OWN_VERSIONS_BYTES; none (and no copy made) when they do not."""
         size = sum(t.numel() * t.element_size() for t in tensors.values())
-        keep = max(0, min(self.cfg.max_async + 1, OWN_VERSIONS_BYTES // max(1, size)))
-        for v in sorted(self._own)[: max(0, len(self._own) - keep)]:
+        if size * (self.cfg.max_async + 1) > OWN_VERSIONS_BYTES:
+            return
+        self._own[int(record["version"])] = (str(record["sha256"]), {k: v.detach().clone() for k, v in tensors.items()})
+        for v in sorted(self._own)[: -(self.cfg.max_async + 1)]:
             del self._own[v]
 
     def model(self, version: int, dtype: str, record: dict[str, Any] | None = None) -> torch.nn.Module:
@@ -226,7 +227,7 @@ class BatchVerifier:
                 self.vocab = int(self._weights.config.vocab_size)
                 self._reader = PolicyReader(self.run, self.path, self._weights)
             own = self._own.get(version)
-            if own is not None and record is not None and record.get("kind", "full") == "full" and own[0] == record.get("sha256"):
+            if own is not None and record is not None and own[0] == record.get("sha256"):
                 self._reader.held = None  # half-assigned until done
                 assign(self._weights, own[1])
                 self._reader.held = record  # a delta after it applies to what the model now holds

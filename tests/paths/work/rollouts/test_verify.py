@@ -17,7 +17,7 @@ from paths.work.rollouts.source import StoreRollouts
 from paths.work.sampling import complete
 from sharding.dataset import read_prompts
 from tests.paths.work.conftest import loaded, prompt_run
-from tests.paths.work.rollouts.conftest import REWARD, keyed, settings, start, worker
+from tests.paths.work.rollouts.conftest import REWARD, SALT, keyed, settings, start, worker
 
 
 @pytest.mark.parametrize("n", [16, 32, 64, 256])
@@ -158,3 +158,29 @@ def test_the_checks_load_a_version_the_trainer_published_from_its_memory(tmp_pat
     for v in range(5):  # only the newest max_async + 1 versions stay
         few.published({**record, "version": v}, weights(loaded(run, tmp_path)[0]))
     assert sorted(few.verifier._own) == [2, 3, 4]
+
+
+def test_a_delta_version_is_checked_from_what_the_writer_rebuilt(tmp_path, tokenizer_dir, monkeypatch):
+    """Between snapshots a version is a delta: the tensors the trainer keeps for it are the ones
+    a worker rebuilds (its sha256's), not the trainer's exact weights, and the checks load them
+    without reading the snapshot and the delta back."""
+    from paths.work.rollouts import policy as policy_module
+    from paths.work.rollouts.policy import VersionWriter
+    from paths.work.rollouts.versions import state_digest, weights
+
+    run = prompt_run(tmp_path, tokenizer_dir, holdout=0.0)
+    model, _ = loaded(run, tmp_path)
+    writer = VersionWriter(run, "p00", SALT, snapshot_every=4)
+    src = source(run, tmp_path)
+    for version in range(2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 1e-3)
+        record = writer.publish(version, model)
+        src.published(record, writer.state)
+    assert record["kind"] == "delta" and state_digest(writer.state) == record["sha256"] != state_digest(weights(model))
+    reads = []
+    real = policy_module.read_tensors
+    monkeypatch.setattr(policy_module, "read_tensors", lambda *a, **kw: reads.append(a[1]) or real(*a, **kw))
+    checked = src.verifier.model(1, "fp32", record)
+    assert reads == [] and state_digest(weights(checked)) == record["sha256"]
