@@ -189,9 +189,9 @@ def main() -> None:
     # 1. what a rollout machine buys: sync on one core, against 1, 2, 4 workers on the other;
     # --repeats alternating rounds (sync first, then last), each arm a fresh run from the seed
     held, sampling = ["eval_every=10", "eval_prompts=64"], (f"max_new_tokens={a.max_new_tokens}",)
-    arms: dict[str, list[dict]] = {"sync": [], **{str(k): [] for k in workers}}
+    others = [str(k) for k in workers]
+    arms: dict[str, list[dict]] = {"sync": [], **{k: [] for k in others}}
     for r in range(a.repeats):
-        others = [str(k) for k in workers]
         for name in (["sync", *others] if r % 2 == 0 else [*others, "sync"]):
             run = new_run(a.work, f"{'sync' if name == 'sync' else 'async-' + name}-r{r}", tasks, seed_dir)
             if name == "sync":
