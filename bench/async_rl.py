@@ -10,14 +10,17 @@ to one path (add p00, sub p01, mul p02, word p03).
    one core (`paths train --mode grpo` sampling its own rollouts, one thread), against the same
    trainer pinned to that core with `--rollouts store --max-async 2` fed by 1, 2 or 4 `paths
    rollout` workers pinned together to the other core (one thread each). Each arm trains the same
-   steps from the same seed with the held-out reward (greedy, 64 prompts) every 10 steps: wall-clock
+   steps from the same seed model with the held-out reward (greedy, --eval-prompts 64) every
+   --eval-every 10 steps, and the seed model's own held-out reward is printed beside: wall-clock
    to the held-out reward every arm reaches (goal: 1 worker >= 1.5x sync), completions trained on
    per second, the trainer's own steps (no worker batch within rollout_wait), the mean policy lag
    and the stale batches; 2 and 4 workers on the one core show where it saturates. An asynchronous
    arm's wall-clock ends when its trainer exits (its workers stop at their next look). One run of
    an arm moves +-10% between runs on a 2-core machine: `--repeats N` runs every arm N times, in
-   alternating order (sync first, then last), each from a fresh copy of the seed, and prints the
-   medians, the ratio of the median walls and each round's ratio. Printed
+   alternating order (sync first, then last), each from a fresh copy of the seed model and round
+   r with `seed=r` (the sync arm is deterministic: its rounds would otherwise repeat one
+   trajectory), and prints the medians, the ratio of the median walls, each round's ratio and the
+   held-out curves (medians of the rounds). Printed
    beside the sync arm: the share of groups without signal, whose rows no step computes
    (grpo.plan_micro_batches), so the sampling share and the bound move with the reward.
 2. int8 vs fp32 rollout workers: tokens/s of `paths rollout --dtype int8` and `fp32` from the same
@@ -95,6 +98,24 @@ def reached(records: list[dict], target: float, t0: float) -> float | None:
     return None
 
 
+def seed_heldout(run: str, seed_dir: str, prompts: int, max_new_tokens: int) -> float:
+    """The seed model's held-out reward, on the prompts and the greedy decoding every arm's
+    evaluations use: where the arms start from (a target near it says little)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from paths.work.rewards import load_reward
+    from paths.work.sampling import evaluate
+    from sharding.dataset import read_prompts
+    from storage.layout import open_run
+
+    torch.set_num_threads(1)
+    records = read_prompts(open_run(run), "rl", "p00", "heldout")[:prompts]
+    model = AutoModelForCausalLM.from_pretrained(seed_dir, dtype=torch.float32).eval()
+    rewards = [load_reward(spec) for spec in REWARDS[1::2]]
+    return float(evaluate(model, AutoTokenizer.from_pretrained(seed_dir), records, rewards, max_new_tokens)["reward"])
+
+
 def int8_by_size(presets: list[str], threads: int, prompts: int = 8, prompt_len: int = 24) -> dict[str, dict]:
     """A rollout worker's arithmetic on one chunk of 64 rows (8 completions of 32 tokens for each
     of 8 prompts with the KV-cached sampler, then the behaviour log-probs of the chunk) in fp32
@@ -166,6 +187,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60, help="GRPO steps of every arm of the rollout-machine comparison")
     ap.add_argument("--workers", default="1,2,4", help="rollout worker counts sharing the second core")
     ap.add_argument("--repeats", type=int, default=1, help="alternating rounds of every arm (medians reported; a run moves +-10%% between runs here)")
+    ap.add_argument("--eval-every", type=int, default=10, help="steps between held-out evaluations (greedy, --eval-prompts prompts), in every arm's own clock")
+    ap.add_argument("--eval-prompts", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--int8-presets", default="mini-mixtral,small-mixtral,bench-mixtral", help="presets of the int8-by-width measurement (empty: skip it)")
@@ -188,7 +211,7 @@ def main() -> None:
 
     # 1. what a rollout machine buys: sync on one core, against 1, 2, 4 workers on the other;
     # --repeats alternating rounds (sync first, then last), each arm a fresh run from the seed
-    held, sampling = ["eval_every=10", "eval_prompts=64"], (f"max_new_tokens={a.max_new_tokens}",)
+    held, sampling = [f"eval_every={a.eval_every}", f"eval_prompts={a.eval_prompts}"], (f"max_new_tokens={a.max_new_tokens}",)
     others = [str(k) for k in workers]
     arms: dict[str, list[dict]] = {"sync": [], **{k: [] for k in others}}
     for r in range(a.repeats):
@@ -197,15 +220,15 @@ def main() -> None:
             if name == "sync":
                 paths_cmd("claim", run, "--path", "p00", "--worker", "sync", env=env(f"sync-{r}", a.work, 1))
                 t0 = time.time()
-                paths_cmd(*trainer_args(run, "p00", a.steps, a.batch, a.lr, *held, *sampling, store=False), env=env(f"sync-{r}", a.work, 1), cpus=TRAINER_CPUS)
+                paths_cmd(*trainer_args(run, "p00", a.steps, a.batch, a.lr, *held, f"seed={r}", *sampling, store=False), env=env(f"sync-{r}", a.work, 1), cpus=TRAINER_CPUS)
                 wall = time.time() - t0
             else:
-                t0, wall = async_arm(a.work, run, "p00", a.steps, a.batch, a.lr, int(name), *held, "rollout_wait=120", sampling=sampling, tag=f"-{name}-r{r}")
+                t0, wall = async_arm(a.work, run, "p00", a.steps, a.batch, a.lr, int(name), *held, "rollout_wait=120", f"seed={r}", sampling=sampling, tag=f"-{name}-r{r}")
             arms[name].append({"wall_s": wall, "t0": t0, "metrics": metrics(run, "p00")})
     best = lambda ms: max(m["heldout_reward"] for m in ms if "heldout_reward" in m)  # noqa: E731
     target = min(best(one["metrics"]) for runs in arms.values() for one in runs)
     completions = a.steps * a.batch * 8
-    machine = {"steps": a.steps, "repeats": a.repeats, "target_heldout": target}
+    machine = {"steps": a.steps, "repeats": a.repeats, "target_heldout": target, "seed_heldout": seed_heldout(run, seed_dir, a.eval_prompts, a.max_new_tokens)}
     for name, runs in arms.items():
         rows = [arm_row(name, one, target, completions, a.batch) for one in runs]
         row = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k not in ("heldout", "to_target_s")}  # medians over the repeats
@@ -260,7 +283,7 @@ def main() -> None:
     secs = lambda x: "never" if x is None else f"{x:.0f}s"  # noqa: E731
     times = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
     print(f"\n1. what a rollout machine buys (p00, {a.steps} steps x {a.batch} prompts x 8; trainer on core 0, workers on core 1, one thread each; "
-          f"medians of {a.repeats} alternating run{'s' if a.repeats > 1 else ''}); to held-out reward {target:.3f}:")
+          f"medians of {a.repeats} alternating run{'s' if a.repeats > 1 else ''}); to held-out reward {target:.3f} (the seed's {machine['seed_heldout']:.3f}):")
     print(f"   sync, one core: {sy['wall_s']:.0f}s ({sy['completions_per_s']:.1f} completions/s of {sy['completion_length']:.0f} tokens; a step {sy['median_step_s']:.2f}s, {sy['sampling_share']:.0%} of it sampling: "
           f"a rollout machine can buy at most {sy['speedup_bound']:.2f}x), to target {secs(sy['to_target_s'])}; "
           f"{sy['zero_variance_groups']:.0%} of groups without signal, {sy['rows_computed']:.0%} of rows computed")
@@ -270,11 +293,15 @@ def main() -> None:
               + ", ".join(f"{x:.2f}x" for x in m["pair_speedups"]) + f"; a step {m['median_step_s']:.2f}s, {m['speedup_step']:.2f}x), to target {secs(m['to_target_s'])} "
               f"({times(m['speedup_to_target'])}; goal >= 1.5 with 1 worker); own steps {m['own_steps']:.0f}, lag {m['policy_lag']:.2f}, stale {m['stale_batches']:.0f}, masked {m['mismatch_masked']:.4f}, "
               f"{m['zero_variance_groups']:.0%} of groups without signal")
+    curve = lambda runs: [round(statistics.median(xs), 3) for xs in zip(*(r["heldout"] for r in runs))]  # noqa: E731
+    print(f"   held-out reward every {a.eval_every} steps (median of the rounds): sync {curve(sy['runs'])}; "
+          + "; ".join(f"{k} worker{'s' if k > 1 else ''} {curve(machine[str(k)]['runs'])}" for k in workers))
     q = out["int8_vs_fp32"]
     print(f"2. rollout tokens/s: int8 {q['tokens_per_s']['int8']:.0f}, fp32 {q['tokens_per_s']['fp32']:.0f} ({q['tokens_per_s']['int8'] / q['tokens_per_s']['fp32']:.2f}x); "
           f"tokens masked at step 1: int8 {masked['int8']:.4f}, fp32 {masked['fp32']:.4f}; by width: "
           + ", ".join(f"{k} ({v['parameters'] / 1e6:.1f}M) {v['int8_speedup']:.2f}x" for k, v in q["by_width"].items()))
     print(f"reproduce: .venv/bin/python bench/async_rl.py --steps {a.steps} --repeats {a.repeats} --seed-steps {a.seed_steps} --prompts {a.prompts} --workers {a.workers} --levels {a.levels} --max-new-tokens {a.max_new_tokens}"
+          f" --eval-every {a.eval_every} --eval-prompts {a.eval_prompts}"
           f" --int8-presets '{a.int8_presets}'")
     os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "out", "async_rl.jsonl"), "a") as f:

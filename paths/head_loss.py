@@ -75,13 +75,16 @@ class LinearCrossEntropy(torch.autograd.Function):
             logits = (h_c @ w.t()).float()  # (n, V)
             keep = y_c != -100
             picked = y_c.clamp(min=0).unsqueeze(1)  # (n, 1)
-            lse = torch.logsumexp(logits, dim=-1)  # (n,)
-            total += ((lse - logits.gather(1, picked).squeeze(1)) * keep).sum()
+            target = logits.gather(1, picked).squeeze(1)
+            top = logits.amax(dim=-1)  # (n,)
+            p = logits.sub_(top.unsqueeze(1)).exp_()  # unnormalised softmax, in place of the logits: one pass (torch.logsumexp makes its own)
+            norm = p.sum(dim=-1)
+            total += ((norm.log() + top - target) * keep).sum()
             if not (want_h or want_w):
                 continue
-            p = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
-            p.scatter_add_(1, picked, torch.full_like(lse, -1.0).unsqueeze(1))
-            p.mul_((keep.float() * scale).unsqueeze(1))  # d(loss)/d(logits)
+            weight = keep.float() * scale
+            p.mul_((weight / norm).unsqueeze(1))  # scale * softmax
+            p.scatter_add_(1, picked, -weight.unsqueeze(1))  # d(loss)/d(logits): scale * (softmax - onehot)
             p = p.to(h.dtype)
             if want_h:
                 grad_h[s : s + CHUNK] = p @ w
