@@ -109,11 +109,15 @@ def seed_heldout(run: str, seed_dir: str, prompts: int, max_new_tokens: int) -> 
     from sharding.dataset import read_prompts
     from storage.layout import open_run
 
-    torch.set_num_threads(1)
     records = read_prompts(open_run(run), "rl", "p00", "heldout")[:prompts]
     model = AutoModelForCausalLM.from_pretrained(seed_dir, dtype=torch.float32).eval()
     rewards = [load_reward(spec) for spec in REWARDS[1::2]]
-    return float(evaluate(model, AutoTokenizer.from_pretrained(seed_dir), records, rewards, max_new_tokens)["reward"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the arms' trainers evaluate (one thread each)
+    try:
+        return float(evaluate(model, AutoTokenizer.from_pretrained(seed_dir), records, rewards, max_new_tokens)["reward"])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def int8_by_size(presets: list[str], threads: int, prompts: int = 8, prompt_len: int = 24) -> dict[str, dict]:
@@ -224,11 +228,11 @@ def main() -> None:
                 wall = time.time() - t0
             else:
                 t0, wall = async_arm(a.work, run, "p00", a.steps, a.batch, a.lr, int(name), *held, "rollout_wait=120", f"seed={r}", sampling=sampling, tag=f"-{name}-r{r}")
-            arms[name].append({"wall_s": wall, "t0": t0, "metrics": metrics(run, "p00")})
+            arms[name].append({"wall_s": wall, "t0": t0, "metrics": metrics(run, "p00"), "run": run})
     best = lambda ms: max(m["heldout_reward"] for m in ms if "heldout_reward" in m)  # noqa: E731
     target = min(best(one["metrics"]) for runs in arms.values() for one in runs)
     completions = a.steps * a.batch * 8
-    machine = {"steps": a.steps, "repeats": a.repeats, "target_heldout": target, "seed_heldout": seed_heldout(run, seed_dir, a.eval_prompts, a.max_new_tokens)}
+    machine = {"steps": a.steps, "repeats": a.repeats, "target_heldout": target, "seed_heldout": seed_heldout(arms["sync"][0]["run"], seed_dir, a.eval_prompts, a.max_new_tokens)}
     for name, runs in arms.items():
         rows = [arm_row(name, one, target, completions, a.batch) for one in runs]
         row = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k not in ("heldout", "to_target_s")}  # medians over the repeats

@@ -178,12 +178,18 @@ class PolicyReader:
         key = f"{version_key(self.run, self.path, int(record['version']))}/{FILES[kind]}"
         return read_tensors(self.run.store, key, record.get("file_sha256", record["sha256"]), compress=kind == "delta")
 
-    def _load_full(self, record: dict[str, Any]) -> None:
-        self.held = None
-        assign(self.model, self._file(record))
-        if "kind" in record:  # versions before deltas named their file's sha256 only (checked on read)
+    def hold(self, record: dict[str, Any], tensors: dict[str, torch.Tensor], check: bool = False) -> None:
+        """Put version `record`'s `tensors` into the model (checked against its sha256 with
+        `check`; unchecked only for tensors the caller trusts, e.g. a trainer's own copy of what it
+        published); a delta after it then applies to them."""
+        self.held = None  # half-assigned until done
+        assign(self.model, tensors)
+        if check:
             self._check(record)
         self.held = record
+
+    def _load_full(self, record: dict[str, Any]) -> None:
+        self.hold(record, self._file(record), check="kind" in record)  # versions before deltas named their file's sha256 only (checked on read)
 
     def _load_adapter(self, record: dict[str, Any]) -> None:
         if adapter_digest(record["base_sha256"], record["file_sha256"], record["scale"]) != record["sha256"]:

@@ -39,7 +39,6 @@ from paths.errors import DataError
 from paths.work.grpo import Samples, completion_logits, pack, score_samples
 from paths.work.rollouts.batch import DTYPES, Batch, Rejected, prompt_sha
 from paths.work.rollouts.policy import PolicyReader, copy_as
-from paths.work.rollouts.versions import assign
 from paths.work.rollouts.seeds import batch_seed, pick_prompts, row_hash, row_uniforms
 from paths.work.sampling import device_of, sampling_cdf
 from storage.layout import Run
@@ -228,9 +227,7 @@ class BatchVerifier:
                 self._reader = PolicyReader(self.run, self.path, self._weights)
             own = self._own.get(version)
             if own is not None and record is not None and own[0] == record.get("sha256"):
-                self._reader.held = None  # half-assigned until done
-                assign(self._weights, own[1])
-                self._reader.held = record  # a delta after it applies to what the model now holds
+                self._reader.hold(record, own[1])
             else:
                 try:
                     self._reader.load(version)
