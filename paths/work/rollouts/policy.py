@@ -275,11 +275,13 @@ class PolicyPublisher(Callback):
         """latest.json again with pending 0: the trainer waits, the workers may sample."""
         head = latest(self.run, self.path)
         if head is not None:
-            self.run.store.write(f"{self.run.policy(self.path)}/latest.json", json.dumps({**head, "pending": 0, "at": time.time()}, sort_keys=True).encode())
+            heard = self.source.waiting()[1]
+            self.run.store.write(f"{self.run.policy(self.path)}/latest.json", json.dumps({**head, "pending": 0, "heard": heard, "at": time.time()}, sort_keys=True).encode())
 
     def _publish(self, trainer: Any) -> None:
         self.writer.salt = self.source.salt  # a resumed trainer's (restored with its state)
-        record = self.writer.publish(trainer.step, trainer.unwrapped, max_async=self.max_async, step=trainer.step, pending=self.source.waiting(), needs=self.needs,
+        pending, heard = self.source.waiting()
+        record = self.writer.publish(trainer.step, trainer.unwrapped, max_async=self.max_async, step=trainer.step, pending=pending, heard=heard, needs=self.needs,
                                      mixture=self.source.cfg.mixture)
         self.source.published(record, self.writer.state)
 

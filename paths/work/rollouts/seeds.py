@@ -52,13 +52,15 @@ def pick_prompts(seed: bytes, count: int, total: int, mixture: Any = None) -> li
     return [rng.randrange(total) for _ in range(count)]
 
 
-def row_uniforms(seed: bytes, rows: int, length: int) -> torch.Tensor:
+def row_uniforms(seed: bytes, rows: int | list[int], length: int) -> torch.Tensor:
     """(rows, length) float32 numbers in [0, 1): row r's from its own PCG64 stream, so a row's
-    numbers do not depend on how the rows are chunked, batched or ordered on the worker."""
-    out = np.empty((rows, length), dtype=np.float32)
-    for r in range(rows):
+    numbers do not depend on how the rows are chunked, batched or ordered on the worker. `rows`: a
+    count (rows 0 to rows - 1), or the rows wanted (the seed check's)."""
+    which = range(rows) if isinstance(rows, int) else rows
+    out = np.empty((len(which), length), dtype=np.float32)
+    for i, r in enumerate(which):
         stream = np.random.Generator(np.random.PCG64(int.from_bytes(hashlib.sha256(seed + b"/row/%d" % r).digest()[:16], "big")))
-        out[r] = np.minimum(stream.random(length).astype(np.float32), U_MAX)  # float32 rounding must not reach 1
+        out[i] = np.minimum(stream.random(length).astype(np.float32), U_MAX)  # float32 rounding must not reach 1
     return torch.from_numpy(out)
 
 

@@ -202,18 +202,22 @@ class StoreRollouts:
         self._forget(step - cfg.max_async)
         return taken, stats
 
-    def waiting(self) -> int:
+    def waiting(self) -> tuple[int, dict[str, int]]:
         """Batches the coming steps can take, counted as the policy is published (told to the
         workers, who hold back while enough wait): those held in their chain's order, sampled
         recently enough, plus the objects of heard folders not read yet. Counted at take time, or
         only each chain's next batch, it missed what a fast worker wrote meanwhile, and the queue
-        grew until batches went stale."""
-        seen, ignored, unread = self._resolved() | self._held.keys(), self.ignored, 0
+        grew until batches went stale. With it, the highest object number listed in each folder:
+        a worker's batches above it (written while this was counted) are not in the count."""
+        seen, ignored, unread, heard = self._resolved() | self._held.keys(), self.ignored, 0, {}
         for o in self.run.store.list(f"{self.run.rollouts(self.path)}/batches"):
-            where = parse_key(o.key) if o.key not in seen else None
+            where = parse_key(o.key)
             who = self.identity(where[0]) if where else None
-            unread += who is not None and who[0] != "revoked" and who[0] not in ignored
-        return self._queued(self.steps - self.cfg.max_async) + unread
+            if who is None or who[0] == "revoked" or who[0] in ignored:
+                continue  # nobody this trainer hears (a folder anyone may make: not named back either)
+            heard[where[0]] = max(heard.get(where[0], -1), where[1])
+            unread += o.key not in seen
+        return self._queued(self.steps - self.cfg.max_async) + unread, heard
 
     def _resolved(self) -> set[str]:
         """Keys of the batches taken, discarded or rejected: never read again."""

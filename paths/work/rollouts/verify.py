@@ -321,10 +321,9 @@ class BatchVerifier:
         """The seed check of `rows` (Rejected beyond the dtype's tolerance, or `tol`)."""
         cfg, version, dtype = self.cfg, batch.version, batch.meta["dtype"]
         tol = tol or TOLERANCES[dtype]
-        u_all = row_uniforms(seed, len(batch.completion_ids), cfg.max_new_tokens)
         seen = SeedCheck(rows=len(rows))
         masks = None if batch.model_masks is None else [batch.model_masks[r] for r in rows]
-        found = position_misses(self.model(version, dtype), [records[r // cfg.group_size] for r in rows], [batch.completion_ids[r] for r in rows], u_all[rows],
+        found = position_misses(self.model(version, dtype), [records[r // cfg.group_size] for r in rows], [batch.completion_ids[r] for r in rows], row_uniforms(seed, rows, cfg.max_new_tokens),
                                 batch.behaviour_logp_NC[rows], cfg.temperature, cfg.top_p, self.tokenizer.pad_token_id, masks,
                                 cfg.share_prompts and dtype != "bf16")  # a bf16 worker's log-probs are a pass of one row per prompt: its rounding is repeated
         for r, (miss_C, inside_C, gap_C) in zip(rows, found):

@@ -83,6 +83,20 @@ def chain_head(run: Run, path: str, worker: str, public: str, looks: int = 64) -
     return 0, ""
 
 
+def holds_back(head: dict[str, Any], worker: str, numbers: list[int], since: int, max_async: int) -> bool:
+    """Whether enough batches wait for the trainer that one sampled now from `head`'s version would
+    come too late. A new batch queues behind the `pending` ones the trainer counted as it published
+    `head` and this worker's own that it did not count: the object `numbers` above the highest it
+    listed in the worker's folder (`heard`), or, from a trainer that does not say, the `since`
+    written after `head` was first seen. The batch k places back is taken k // needs steps on:
+    usable while that is at most max_async."""
+    heard = head.get("heard")
+    if isinstance(heard, dict):
+        last = int(heard.get(worker, -1))
+        since = sum(1 for n in numbers if n > last)
+    return int(head.get("pending", 0)) + since >= (int(head.get("max_async", max_async)) + 1) * max(1, int(head.get("needs", 1)))
+
+
 def finished(run: Run, path: str) -> bool:
     """Whether the path's claim says its training is done."""
     from paths.work.claims import read_claim
@@ -147,7 +161,7 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
         position, previous = chain_head(run, path, name, public)
         index = next_index(run, path, name)
         written, dropped, reloads, tokens, seconds = 0, 0, 0, 0, 0.0
-        seen, since = None, 0  # batches written since the trainer last said how many wait
+        seen, since, numbers = None, 0, []  # batches written since the trainer last said how many wait; the object numbers of the last ones
         pace = Pace()  # when the trainer's next version is due
         threads = Threads()  # torch's threads kept to the cores other processes leave free
         deadline = time.time() + wait
@@ -175,7 +189,7 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
             if said != seen:
                 seen, since = said, 0
             pace.saw(int(head["version"]), float(head.get("at") or 0.0))
-            if int(head.get("pending", 0)) + since >= max(1, int(head.get("max_async", cfg.max_async))) * int(head.get("needs", 1)):  # each waits a step: max_async steps of them
+            if holds_back(head, name, numbers, since, cfg.max_async):
                 waited, poll = time.time(), Poll(POLL, due=pace.due())  # short looks from when the trainer's next version is due
                 while (lambda h: (h["version"], h.get("at")))(latest(run, path) or head) == said and time.time() - waited < wait and not finished(run, path):
                     poll.sleep()  # enough batches wait for the trainer: more would only go stale
@@ -203,6 +217,7 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
                 except PreconditionFailed:
                     index = next_index(run, path, name)  # the number is taken (by anyone): the next free one; the chain is in the batch
             written, index, since, position, previous = written + 1, index + 1, since + 1, position + 1, digest_of(data)
+            numbers = [*numbers[-63:], index - 1]
             tokens += sum(len(c) for c in completion_ids)
             if on_batch is not None:
                 on_batch({"batch": position - 1, "version": meta["policy_version"], "reward_mean": sum(samples.rewards) / len(samples.rewards), "tokens": tokens, "tokens_per_s": tokens / max(1e-9, seconds)})

@@ -16,6 +16,7 @@ from cli.main import main
 from paths.train_config import load_config
 from paths.work.rewards import load_reward
 from paths.work.rollouts import batch_key, decode, encode, publish, rollout_worker, set_open
+from paths.work.rollouts.worker import holds_back
 from paths.work.train import train
 from tests.paths.work.conftest import FAST, loaded, metrics, prompt_run
 from tests.paths.work.rollouts.conftest import REWARD, SALT, STORE, final, keyed, settings, start, worker
@@ -103,7 +104,24 @@ def test_workers_are_told_every_batch_waiting_in_order(tmp_path, tokenizer_dir):
     run.store.delete(batch_key(run, "p00", "w2", 0))  # w2's chain waits for a position that never comes
     train(run, "p00", "grpo", "rl", load_config(sets=[*FAST, *STORE], steps=1), None, show_progress=False, rewards=[REWARD])
     assert metrics(run, "p00")[0]["store_batches"] == 1
-    assert json.loads(run.store.read("policy/p00/latest.json"))["pending"] == 5  # w1's other five
+    head = json.loads(run.store.read("policy/p00/latest.json"))
+    assert head["pending"] == 5  # w1's other five
+    assert head["heard"] == {"w1": 5, "w2": 2}  # the highest object listed in each folder: a worker's newer ones are not in `pending`
+
+
+def test_a_worker_samples_while_its_batch_would_be_taken_within_max_async():
+    """A batch sampled now queues behind the `pending` batches the trainer counted and the worker's
+    own it did not count (numbered above `heard`), and is taken that many steps (of `needs`
+    batches) on: the worker samples while that is at most max_async."""
+    head = {"version": 7, "max_async": 2, "needs": 1, "pending": 2, "heard": {"w": 11}}
+    assert not holds_back(head, "w", [10, 11], 0, 2)  # taken at step 7 + 2: max_async behind
+    assert holds_back(head, "w", [11, 12], 0, 2)  # number 12 was not counted: step 7 + 3, stale
+    assert holds_back({**head, "pending": 3}, "w", [], 0, 2)
+    assert not holds_back({**head, "pending": 5, "needs": 2}, "w", [], 0, 2)  # the sixth batch of steps taking two each: step 7 + 2
+    assert holds_back({**head, "pending": 0, "max_async": 0}, "w", [12], 0, 2)  # on-policy: one batch, for the coming step
+    assert not holds_back({**head, "pending": 0, "heard": {}}, "other", [0], 0, 2)  # nothing of its folder listed yet: its one batch is not counted
+    old = {k: v for k, v in head.items() if k != "heard"}  # a trainer that does not say what it listed: batches written since it was seen
+    assert not holds_back(old, "w", [11, 12], 0, 2) and holds_back(old, "w", [11, 12], 1, 2)
 
 
 def test_async_bad_input(tmp_path, tokenizer_dir):

@@ -37,6 +37,7 @@ def test_seeded_sampling_does_not_depend_on_chunking(tmp_path, tokenizer_dir):
     seed = batch_seed("ab" * 16, "w", "", 0)
     u = row_uniforms(seed, 32, 8)
     assert u.dtype == torch.float32 and 0 <= float(u.min()) and float(u.max()) < 1
+    assert torch.equal(row_uniforms(seed, [30, 3, 7], 8), u[[30, 3, 7]])  # the seed check's rows alone: the same numbers
     torch.manual_seed(1)
     whole = complete(model, records, 8, tokenizer, max_new_tokens=8, temperature=1.0, chunk=32, uniforms=u)
     torch.manual_seed(2)  # torch's generator plays no part
