@@ -7,7 +7,8 @@
     policy/<path>/v<N>/policy.json         its kind, file checksum, the sha256 of the weights it
                                            stands for and the version's nonce; written last, so a
                                            version exists once its policy.json does
-    policy/<path>/latest.json              the newest version's record (+ how many batches wait)
+    policy/<path>/latest.json              the newest version's record (+ how many batches wait, and
+                                           the newest object listed in each worker's folder)
 
 The nonce is the trainer's: HMAC of its secret salt over the path, version and weights' sha256
 (seeds.nonce). Every sample of the version is drawn with numbers derived from it. A delta's chain

@@ -89,12 +89,16 @@ def holds_back(head: dict[str, Any], worker: str, numbers: list[int], since: int
     `head` and this worker's own that it did not count: the object `numbers` above the highest it
     listed in the worker's folder (`heard`), or, from a trainer that does not say, the `since`
     written after `head` was first seen. The batch k places back is taken k // needs steps on:
-    usable while that is at most max_async."""
-    heard = head.get("heard")
+    usable while that is at most max_async. Where other workers write too, one place is left
+    to them (a batch one of them is sampling is in no count: two sharing a core lost 8% without)."""
+    heard, places = head.get("heard"), (int(head.get("max_async", max_async)) + 1) * max(1, int(head.get("needs", 1)))
     if isinstance(heard, dict):
         last = int(heard.get(worker, -1))
         since = sum(1 for n in numbers if n > last)
-    return int(head.get("pending", 0)) + since >= (int(head.get("max_async", max_async)) + 1) * max(1, int(head.get("needs", 1)))
+        places -= any(w != worker for w in heard)
+    else:
+        places -= 1  # a trainer that does not say what it listed: the count may miss a batch of this worker's too
+    return int(head.get("pending", 0)) + since >= max(1, places)
 
 
 def finished(run: Run, path: str) -> bool:

@@ -112,7 +112,8 @@ def test_workers_are_told_every_batch_waiting_in_order(tmp_path, tokenizer_dir):
 def test_a_worker_samples_while_its_batch_would_be_taken_within_max_async():
     """A batch sampled now queues behind the `pending` batches the trainer counted and the worker's
     own it did not count (numbered above `heard`), and is taken that many steps (of `needs`
-    batches) on: the worker samples while that is at most max_async."""
+    batches) on: the worker samples while that is at most max_async, leaving one place to other
+    workers where there are any."""
     head = {"version": 7, "max_async": 2, "needs": 1, "pending": 2, "heard": {"w": 11}}
     assert not holds_back(head, "w", [10, 11], 0, 2)  # taken at step 7 + 2: max_async behind
     assert holds_back(head, "w", [11, 12], 0, 2)  # number 12 was not counted: step 7 + 3, stale
@@ -120,8 +121,11 @@ def test_a_worker_samples_while_its_batch_would_be_taken_within_max_async():
     assert not holds_back({**head, "pending": 5, "needs": 2}, "w", [], 0, 2)  # the sixth batch of steps taking two each: step 7 + 2
     assert holds_back({**head, "pending": 0, "max_async": 0}, "w", [12], 0, 2)  # on-policy: one batch, for the coming step
     assert not holds_back({**head, "pending": 0, "heard": {}}, "other", [0], 0, 2)  # nothing of its folder listed yet: its one batch is not counted
-    old = {k: v for k, v in head.items() if k != "heard"}  # a trainer that does not say what it listed: batches written since it was seen
-    assert not holds_back(old, "w", [11, 12], 0, 2) and holds_back(old, "w", [11, 12], 1, 2)
+    shared = {**head, "heard": {"w": 11, "v": 3}}  # another worker writes too: a batch it samples now is in no count
+    assert holds_back(shared, "w", [11], 0, 2) and not holds_back({**shared, "pending": 1}, "w", [11], 0, 2)
+    assert not holds_back({**shared, "pending": 0, "max_async": 0}, "w", [11], 0, 2)  # nothing waits: always a batch for the coming step
+    old = {k: v for k, v in head.items() if k != "heard"}  # a trainer that does not say what it listed: batches written since it was seen, one place spare
+    assert holds_back(old, "w", [], 0, 2) and not holds_back({**old, "pending": 1}, "w", [], 0, 2) and holds_back({**old, "pending": 1}, "w", [], 1, 2)
 
 
 def test_async_bad_input(tmp_path, tokenizer_dir):
