@@ -95,7 +95,8 @@ def holds_back(head: dict[str, Any], worker: str, numbers: list[int], since: int
     if isinstance(heard, dict):
         last = int(heard.get(worker, -1))
         since = sum(1 for n in numbers if n > last)
-        places -= any(w != worker for w in heard)
+        if any(w != worker for w in heard):
+            places -= 1
     else:
         places -= 1  # a trainer that does not say what it listed: the count may miss a batch of this worker's too
     return int(head.get("pending", 0)) + since >= max(1, places)
