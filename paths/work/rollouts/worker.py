@@ -144,6 +144,7 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from paths.allocator import keep_freed_memory
     from paths.models import materialize
     from paths.work.sampling import check_prompts
 
@@ -154,6 +155,7 @@ def rollout_worker(run: Run, path: str, dataset: str, cfg: Any, rewards: list[Re
     name, public = identity(run, key, worker)
     records = _prompts(run, path, dataset)
     hf_logging.disable_progress_bar()
+    keep_freed_memory()  # a batch's KV caches and logits from the heap, not an mmap() each token (paths/allocator.py)
     local = tempfile.mkdtemp(prefix=f"paths-rollout-{path}-")
     try:
         materialize(run, path, os.path.join(local, "init"))
