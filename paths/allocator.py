@@ -12,9 +12,10 @@ memory a step frees is reused by the next, at the cost of that much resident mem
 steps. PATHS_MALLOC=system leaves the allocator as it is.
 
 The setting is the process's, from the trainer's (or the worker's) start to its exit (in-process
-callers such as the quickstart and the test suite keep it after they return); the heap keeps its peak
-(a checkpoint's buffers included) rather than exactly 1 GiB; blocks over 64 MiB allocated from a
-thread other than the main one still get an mmap() (glibc's other arenas cap their heaps there).
+callers such as the quickstart and the test suite keep it after they return); the heap keeps its
+peak (a checkpoint's buffers included) rather than exactly 1 GiB; blocks over 64 MiB allocated
+from a thread other than the main one still get an mmap() (glibc's other arenas cap their heaps
+there).
 """
 
 from __future__ import annotations
