@@ -6,12 +6,14 @@ import atexit
 import os
 import weakref
 from datetime import datetime
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from storage.errors import NotFound, PreconditionFailed, StorageError
 from storage.retry import RetryPolicy, s3_error
+from storage.s3_direct import DirectRequests, LaneRefused
 from storage.store import Store, is_hidden
 
+T = TypeVar("T")
 _PRECONDITION = frozenset({"PreconditionFailed", "412"})
 _MISSING = frozenset({"NoSuchKey", "404", "NotFound"})
 
@@ -132,11 +134,27 @@ class S3Store(Store):
             )
 
     # -- conditional writes ---------------------------------------------------------------------
+    def direct(self) -> DirectRequests | None:
+        """The lane for this bucket's small requests (storage/s3_direct.py), or None: s3fs's."""
+        return DirectRequests.of(self.fs, self.bucket)
+
+    def _small(self, direct: Callable[[DirectRequests], T], through_s3fs: Callable[[], T]) -> T:
+        """A small request by the direct lane, or through s3fs where there is none or it just
+        turned itself off (LaneRefused: this store answered it otherwise than s3fs)."""
+        if (lane := self.direct()) is not None:
+            try:
+                return direct(lane)
+            except LaneRefused:
+                pass
+        return through_s3fs()
+
     def _put(self, key: str, data: bytes, **condition: str) -> str:
         self._check_writable(key)
         try:
-            out = self.fs.call_s3(
-                "put_object", Bucket=self.bucket, Key=self._key(key), Body=data, **condition
+            headers = {"If-None-Match": condition["IfNoneMatch"]} if "IfNoneMatch" in condition else {"If-Match": condition["IfMatch"]}
+            return self._small(
+                lambda lane: lane.put(self._key(key), data, headers),
+                lambda: self.fs.call_s3("put_object", Bucket=self.bucket, Key=self._key(key), Body=data, **condition)["ETag"],
             )
         except Exception as exc:
             code, status = s3_error(exc)
@@ -146,7 +164,6 @@ class S3Store(Store):
             if "IfMatch" in condition and (code in _MISSING or status == 404):
                 raise PreconditionFailed(f"{self.url_of(key)} no longer exists") from None
             raise
-        return out["ETag"]
 
     def put_if_absent(self, key: str, data: bytes, *, confirm: bool = True) -> str:
         """PUT with If-None-Match: * — exactly one concurrent creator wins."""
@@ -159,10 +176,16 @@ class S3Store(Store):
     def list_page(self, prefix: str, after: str = "", limit: int = 1000) -> tuple[list[str], str | None]:
         """One ListObjectsV2 request: at most `limit` keys (S3 caps it at 1000) after `after`."""
         start = {"StartAfter": self._key(after)} if after else {}
-        reply = self._call(prefix, lambda: self.fs.call_s3("list_objects_v2", Bucket=self.bucket, Prefix=self._key(prefix.rstrip("/")) + "/", MaxKeys=limit, **start))
+        full = self._key(prefix.rstrip("/")) + "/"
+
+        def through_s3fs() -> tuple[list[str], bool]:
+            reply = self.fs.call_s3("list_objects_v2", Bucket=self.bucket, Prefix=full, MaxKeys=limit, **start)
+            return [o["Key"] for o in reply.get("Contents", [])], bool(reply.get("IsTruncated"))
+
+        listed, truncated = self._call(prefix, lambda: self._small(lambda lane: lane.list_page(full, start.get("StartAfter", ""), limit), through_s3fs))
         skip = len(self.prefix) + 1 if self.prefix else 0
-        keys = [o["Key"][skip:] for o in reply.get("Contents", [])]
-        last = keys[-1] if keys and reply.get("IsTruncated") else None
+        keys = [k[skip:] for k in listed]
+        last = keys[-1] if keys and truncated else None
         return [k for k in keys if not is_hidden(k)], last
 
     def read_with_etag(self, key: str) -> tuple[bytes, str]:
@@ -178,7 +201,7 @@ class S3Store(Store):
                 body.close()
             return data, resp["ETag"]
 
-        return self._call(key, lambda: sync(self.fs.loop, get))
+        return self._call(key, lambda: self._small(lambda lane: lane.get(self._key(key)), lambda: sync(self.fs.loop, get)))
 
 
 def split_s3_url(url: str) -> tuple[str, str]:

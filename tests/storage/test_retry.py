@@ -54,57 +54,64 @@ def test_backoff_windows_grow_and_are_capped():
 
 
 class Flaky:
-    """Wraps s3fs's call_s3: the first `n` calls of `method` raise `exc` (optionally after really
-    doing the call, as when a response is lost on the way back)."""
+    """Wraps the store's PUT, on the route the store takes (s3fs's call_s3, or the direct lane of
+    storage/s3_direct.py): the first `n` PUTs raise `exc` (optionally after really doing the PUT,
+    as when a response is lost on the way back)."""
 
-    def __init__(self, fs, method: str, n: int, exc: Exception, after_call: bool = False):
-        self.real, self.method, self.left, self.exc, self.after = fs.call_s3, method, n, exc, after_call
+    def __init__(self, store, n: int, exc: Exception, after_call: bool = False):
+        self.lane = store.direct()
+        self.owner = self.lane if self.lane is not None else store.fs
+        self.name = "put" if self.lane is not None else "call_s3"
+        self.real, self.left, self.exc, self.after = getattr(self.owner, self.name), n, exc, after_call
         self.calls = 0
+        setattr(self.owner, self.name, self)
 
-    def __call__(self, method, *args, **kwargs):
-        if method == self.method:
+    def __call__(self, *args, **kwargs):
+        if self.lane is not None or args[0] == "put_object":
             self.calls += 1
             if self.left > 0:
                 self.left -= 1
                 if self.after:
-                    self.real(method, *args, **kwargs)
+                    self.real(*args, **kwargs)
                 raise self.exc
-        return self.real(method, *args, **kwargs)
+        return self.real(*args, **kwargs)
 
 
-@pytest.fixture
-def s3store(seaweed, bucket):
+@pytest.fixture(params=["direct", "s3fs"])
+def s3store(request, seaweed, bucket, monkeypatch):
+    """An S3 store on SeaweedFS, its small requests made by the direct lane or by s3fs."""
     import uuid
 
-    return open_store(f"s3://{bucket}/retry-{uuid.uuid4().hex[:8]}", seaweed.storage_options, retry=FAST)
+    monkeypatch.setenv("PATHS_S3_DIRECT", "1" if request.param == "direct" else "0")
+    store = open_store(f"s3://{bucket}/retry-{uuid.uuid4().hex[:8]}", seaweed.storage_options, retry=FAST)
+    assert (store.direct() is not None) == (request.param == "direct")
+    return store
 
 
 @pytest.mark.parametrize("code,status", [("ServiceUnavailable", 503), ("ConditionalRequestConflict", 409)])
 def test_conditional_put_survives_transient_errors(s3store, code, status):
-    flaky = Flaky(s3store.fs, "put_object", 2, client_error(code, status))
-    s3store.fs.call_s3 = flaky
+    flaky = Flaky(s3store, 2, client_error(code, status))
     etag = s3store.put_if_absent("claims/p0.json", b"mine")
     assert flaky.calls == 3
     assert s3store.read_with_etag("claims/p0.json") == (b"mine", etag)
 
 
 def test_retries_give_up_with_a_clear_error(s3store):
-    s3store.fs.call_s3 = Flaky(s3store.fs, "put_object", 99, client_error("InternalError", 500))
+    Flaky(s3store, 99, client_error("InternalError", 500))
     with pytest.raises(TransientStorageError, match=r"claims/p0.json: still failing after 4 attempts"):
         s3store.put_if_absent("claims/p0.json", b"mine")
 
 
 def test_lost_response_of_a_winning_create_is_still_a_win(s3store):
     # The PUT lands, the answer is lost; the retry gets 412 against our own object.
-    s3store.fs.call_s3 = Flaky(s3store.fs, "put_object", 1, ConnectionResetError(104, "reset"), after_call=True)
+    Flaky(s3store, 1, ConnectionResetError(104, "reset"), after_call=True)
     etag = s3store.put_if_absent("claims/p0.json", b"mine")
     assert s3store.read_with_etag("claims/p0.json") == (b"mine", etag)
 
 
 def test_lost_race_is_not_retried(s3store):
     s3store.put_if_absent("claims/p0.json", b"theirs")
-    flaky = Flaky(s3store.fs, "put_object", 0, RuntimeError("unused"))
-    s3store.fs.call_s3 = flaky
+    flaky = Flaky(s3store, 0, RuntimeError("unused"))
     with pytest.raises(PreconditionFailed):
         s3store.put_if_absent("claims/p0.json", b"mine")
     assert flaky.calls == 1
@@ -123,6 +130,6 @@ def test_a_refusal_read_back_only_when_it_may_answer_our_own_write(s3store):
     with pytest.raises(PreconditionFailed):
         s3store.put_if_absent("claims/p0.json", b"mine")
     assert reads == ["claims/p0.json"]
-    s3store.fs.call_s3 = Flaky(s3store.fs, "put_object", 1, ConnectionResetError(104, "reset"), after_call=True)
+    Flaky(s3store, 1, ConnectionResetError(104, "reset"), after_call=True)
     etag = s3store.put_if_absent("claims/p1.json", b"mine", confirm=False)  # landed, reply lost, retried: 412, read back, ours
     assert s3store.read_with_etag("claims/p1.json") == (b"mine", etag)
