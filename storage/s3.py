@@ -10,7 +10,7 @@ from typing import Any, Callable, TypeVar
 
 from storage.errors import NotFound, PreconditionFailed, StorageError
 from storage.retry import RetryPolicy, s3_error
-from storage.s3_direct import DirectRequests, LaneRefused
+from storage.s3_direct import MAX_BODY, DirectRequests, LaneRefused
 from storage.store import Store, is_hidden
 
 T = TypeVar("T")
@@ -138,10 +138,11 @@ class S3Store(Store):
         """The lane for this bucket's small requests (storage/s3_direct.py), or None: s3fs's."""
         return DirectRequests.of(self.fs, self.bucket)
 
-    def _small(self, direct: Callable[[DirectRequests], T], through_s3fs: Callable[[], T]) -> T:
-        """A small request by the direct lane, or through s3fs where there is none or it just
-        turned itself off (LaneRefused: this store answered it otherwise than s3fs)."""
-        if (lane := self.direct()) is not None:
+    def _small(self, direct: Callable[[DirectRequests], T], through_s3fs: Callable[[], T], body: int = 0) -> T:
+        """A small request by the direct lane, or through s3fs where there is none, it just turned
+        itself off (LaneRefused: this store answered it otherwise than s3fs), or `body` bytes are
+        more than it sends (MAX_BODY)."""
+        if body <= MAX_BODY and (lane := self.direct()) is not None:
             try:
                 return direct(lane)
             except LaneRefused:
@@ -155,6 +156,7 @@ class S3Store(Store):
             return self._small(
                 lambda lane: lane.put(self._key(key), data, headers),
                 lambda: self.fs.call_s3("put_object", Bucket=self.bucket, Key=self._key(key), Body=data, **condition)["ETag"],
+                len(data),
             )
         except Exception as exc:
             code, status = s3_error(exc)

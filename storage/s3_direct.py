@@ -34,6 +34,7 @@ from typing import Any
 from xml.etree import ElementTree
 
 IDLE_S = 4.0  # a connection unused this long is replaced before use: servers close idle ones (AWS after ~20 s)
+MAX_BODY = 64 * 1024  # larger PUTs (rollout batches) go through s3fs: a server that refuses one early may close the connection mid-body
 
 
 class LaneRefused(Exception):

@@ -209,3 +209,15 @@ def test_network_failures_are_transient(seaweed, bucket, monkeypatch):
             assert store.direct() is lane
     finally:
         garbled.close()
+
+
+def test_large_bodies_go_through_s3fs(seaweed, bucket, monkeypatch):
+    direct, _ = store_pair(seaweed, bucket, monkeypatch)
+    calls = []
+    real = direct.fs.call_s3
+    direct.fs.call_s3 = lambda method, *a, **k: calls.append(method) or real(method, *a, **k)
+    direct.put_if_absent("claims/small.json", b"x" * s3_direct.MAX_BODY)
+    assert calls == []
+    big = b"y" * (s3_direct.MAX_BODY + 1)
+    etag = direct.put_if_absent("rollouts/big.safetensors", big)
+    assert calls == ["put_object"] and direct.read_with_etag("rollouts/big.safetensors") == (big, etag)
