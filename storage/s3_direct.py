@@ -62,6 +62,8 @@ class DirectRequests:
         self.port = parts.port or (443 if self.https else 80)
         self.proven = False  # a request answered as the protocol expects (not a refusal of the lane)
         self._local = threading.local()
+        self._static: Any = None  # static credentials, frozen once
+        self._context: ssl.SSLContext | None = None
 
     # -- made once per filesystem -----------------------------------------------------------------
     @classmethod
@@ -164,10 +166,9 @@ class DirectRequests:
         creds = self.credentials
         if hasattr(creds, "refresh_needed"):
             return sync(self.fs.loop, creds.get_frozen_credentials)  # refreshed by botocore when near expiry
-        frozen = getattr(self, "_static", None)
-        if frozen is None:
-            frozen = self._static = sync(self.fs.loop, creds.get_frozen_credentials)
-        return frozen
+        if self._static is None:
+            self._static = sync(self.fs.loop, creds.get_frozen_credentials)
+        return self._static
 
     def _send(self, method: str, target: str, body: bytes | None, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
         """One request on this thread's kept-alive connection; a failure of the network as a
@@ -180,17 +181,17 @@ class DirectRequests:
             conn = local.conn = None  # a forked child's inherited socket is left to its parent
         reused = conn is not None
         try:
-            try:
+            while True:
                 conn = conn or self._connect()
-                conn.request(method, target, body=body, headers=headers)
-                response = conn.getresponse()
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
-                if not reused:
-                    raise
-                conn.close()  # the server had closed the kept-alive one: once more on a fresh one, as urllib3 and aiohttp do
-                conn = self._connect()
-                conn.request(method, target, body=body, headers=headers)
-                response = conn.getresponse()
+                try:
+                    conn.request(method, target, body=body, headers=headers)
+                    response = conn.getresponse()
+                    break
+                except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                    if not reused:
+                        raise
+                    conn.close()  # the server had closed the kept-alive one: once more on a fresh one, as urllib3 and aiohttp do
+                    conn, reused = None, False
             payload = response.read()
         except BaseException as exc:
             if conn is not None:
@@ -212,7 +213,7 @@ class DirectRequests:
         return http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout, context=self._tls())
 
     def _tls(self) -> ssl.SSLContext:
-        context = getattr(self, "_context", None)
+        context = self._context
         if context is None:
             if self.verify is False:
                 context = ssl._create_unverified_context()  # noqa: S323 - the user's own verify=False
